@@ -1,0 +1,29 @@
+"""What a rollout produces and every later stage reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Trajectory:
+    """One sampled episode of one prompt.
+
+    `response_ids` holds every token after the prompt, the policy's and the environment's (retrieved text, tool
+    observations); `loss_mask` is 1 exactly on the tokens the policy wrote, and `logprobs` are the behaviour
+    policy's log-probabilities of those tokens (0 elsewhere). `weight_version` is the learner version whose
+    weights sampled it.
+    """
+    task: dict                       # the task record: id, messages, answer, options, images, references, metadata
+    group: int                       # index of the prompt within the step's batch; rollouts of a group share it
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    text: str                        # decoded response (policy and environment text)
+    finish_reason: str               # "stop", "length", or the environment's reason (turn limit, budget)
+    weight_version: int
+    turns: list[dict] = field(default_factory=list)   # queries, retrieved chunks, tool calls, observations
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.loss_mask)

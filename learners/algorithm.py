@@ -1,0 +1,120 @@
+"""The RL algorithm as short pure functions on tensors.
+
+Shapes: rewards are [B] with B = num_prompts * group_size, rollouts of one prompt contiguous;
+per-token tensors are [B, T] and come with a 0/1 `mask` that is 1 exactly on tokens the policy wrote.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO group-relative advantages (Shao et al. 2024, DeepSeekMath).
+
+        A_i = (r_i - mean_g(r)) / (std_g(r) + eps)      if normalize_std
+        A_i =  r_i - mean_g(r)                          otherwise (Dr.GRPO, Liu et al. 2025)
+
+    mean/std run over the G rollouts of the same prompt (std is the population std, as Dr.GRPO
+    and TRL's unbiased=False). A group whose rewards are all equal gets A = 0 (no NaN).
+    """
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.float().view(-1, group_size)
+    centered = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std:
+        centered = centered / (grouped.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return centered.view(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(values * mask) / max(sum(mask), 1) over `dim` (all elements when None)."""
+    mask = mask.to(values.dtype)
+    if dim is None:
+        return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    return (values * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
+                   global_denominator: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar.
+
+    token_mean (DAPO, Yu et al. 2025):  sum_{i,t} l_it m_it / N, with N the number of policy tokens.
+    seq_mean (GRPO, Shao et al. 2024):  sum_i [ sum_t l_it m_it / sum_t m_it ] / B, with B sequences.
+
+    By default N and B are this tensor's own. When a batch is split into micro-batches or ranks, pass the
+    whole batch's N (token_mean) or B (seq_mean) as `global_denominator`: the parts then sum to the loss
+    of the whole batch, and every token (or sequence) weighs the same wherever it landed.
+    """
+    mask = mask.to(per_token.dtype)
+    if mode == "token_mean":
+        numerator, default = (per_token * mask).sum(), mask.sum()
+    elif mode == "seq_mean":
+        numerator, default = masked_mean(per_token, mask, dim=1).sum(), float(per_token.shape[0])
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; use token_mean or seq_mean")
+    denominator = default if global_denominator is None else global_denominator
+    return numerator / max(float(denominator), 1.0)
+
+
+def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                      eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token, with DAPO's clip-higher (eps_high may exceed eps_low).
+
+        rho = exp(logp - old_logp)
+        l   = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)
+
+    `advantages` is [B] (broadcast to every token of a rollout) or [B, T].
+    Returns (per-token loss, per-token 0/1 indicator that the clipped branch was taken).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    return loss, (clipped < unclipped).to(logp.dtype)
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi_theta || pi_ref) (Schulman 2020, used by GRPO).
+
+        k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1   (>= 0, unbiased, low variance)
+    """
+    delta = ref_logp - logp
+    return torch.exp(delta) - delta - 1.0
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] per position: [B, T, V], [B, T] -> [B, T].
+
+    Dividing by the sampling temperature makes these the log-probabilities of the distribution
+    the rollout engine sampled from, so rho = 1 on the first update when weights are in sync.
+    """
+    logits = logits.float() / temperature
+    return torch.gather(logits.log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T]."""
+    logp = (logits.float() / temperature).log_softmax(-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+              *, eps_low: float, eps_high: float, loss_agg: str, ref_logp: torch.Tensor | None = None,
+              kl_beta: float = 0.0, global_denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The GRPO objective for one micro-batch: clipped surrogate + beta * k3 KL, masked and aggregated.
+
+        L = agg( l_clip + beta * k3 )     with agg = token_mean (DAPO) or seq_mean (GRPO)
+
+    Returns the scalar loss and detached per-micro-batch statistics (sums, so callers can combine
+    micro-batches exactly: divide by `mask_sum`).
+    """
+    per_token, clipped = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
+    stats = {"mask_sum": mask.sum().item(), "clip_sum": (clipped * mask).sum().item(), "kl_sum": 0.0}
+    if ref_logp is not None and kl_beta > 0:
+        kl = k3_kl(logp, ref_logp)
+        per_token = per_token + kl_beta * kl
+        stats["kl_sum"] = (kl.detach() * mask).sum().item()
+    return aggregate_loss(per_token, mask, loss_agg, global_denominator), stats

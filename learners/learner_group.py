@@ -1,0 +1,251 @@
+"""LearnerGroup: K Ray actors training the policy with DeepSpeed (ZeRO-2/3), gloo on CPU and NCCL on GPU."""
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+
+import ray
+import torch
+
+from actors.trajectory import Trajectory
+from cluster.devices import accelerator, init_deepspeed_distributed, pin_threads
+from learners import algorithm as algo
+
+
+def load_causal_lm(path: str, dtype: torch.dtype):
+    """Load a Hugging Face policy from a local directory: text or image-text architecture, by its config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    config = AutoConfig.from_pretrained(path)
+    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=dtype)
+
+
+def pad_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for a micro-batch, aligned so position t predicts token t+1.
+
+    input_ids [B, L] = prompt + response; for targets at positions 1..L-1: `mask` is the loss mask of
+    response tokens (0 on the prompt, environment tokens and padding) and `old_logp` the behaviour logprobs.
+    """
+    seqs = [t.prompt_ids + t.response_ids for t in trajs]
+    width = max(map(len, seqs))
+    input_ids = torch.full((len(trajs), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(trajs), width), dtype=torch.long)
+    mask = torch.zeros((len(trajs), width - 1))
+    old_logp = torch.zeros((len(trajs), width - 1))
+    for i, (t, seq) in enumerate(zip(trajs, seqs)):
+        input_ids[i, :len(seq)] = torch.tensor(seq)
+        attention[i, :len(seq)] = 1
+        start = len(t.prompt_ids) - 1
+        mask[i, start:start + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
+        old_logp[i, start:start + len(t.response_ids)] = torch.tensor(t.logprobs)
+    return {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "old_logp": old_logp}
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if schedule == "cosine":
+            return 0.5 * (1 + math.cos(math.pi * progress))
+        if schedule == "linear":
+            return 1.0 - progress
+        return 1.0
+    return factor
+
+
+@ray.remote(max_restarts=0)
+class LearnerWorker:
+    """One DeepSpeed rank. Every rank receives the whole batch's refs and trains on its contiguous shard."""
+
+    def __init__(self, rank: int, world_size: int, threads: int):
+        pin_threads(threads)
+        self.rank, self.world_size = rank, world_size
+        self.device = accelerator()
+
+    def address(self) -> tuple[str, int]:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master: tuple[str, int], model_path: str, cfg: dict, total_updates: int) -> int:
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
+                          DS_ACCELERATOR="cuda" if self.device == "cuda" else "cpu")
+        import deepspeed
+        init_deepspeed_distributed(self.device)
+
+        self.cfg = cfg
+        learner, model_cfg = cfg["learner"], cfg["model"]
+        dtype = getattr(torch, model_cfg["dtype"])
+        model = load_causal_lm(model_path, dtype)
+        if learner["gradient_checkpointing"]:
+            model.gradient_checkpointing_enable()
+        shard = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"] // self.world_size
+        self.micro_batches = math.ceil(shard / learner["micro_batch_size"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learner["lr"], betas=tuple(learner["betas"]),
+                                      weight_decay=learner["weight_decay"])
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(learner["lr_schedule"], learner["warmup_steps"], total_updates))
+        ds_config = {
+            "train_micro_batch_size_per_gpu": learner["micro_batch_size"],
+            "gradient_accumulation_steps": self.micro_batches,
+            "train_batch_size": learner["micro_batch_size"] * self.micro_batches * self.world_size,
+            "gradient_clipping": learner["max_grad_norm"],
+            "zero_optimization": {"stage": learner["zero_stage"]},
+            "zero_allow_untested_optimizer": True,
+            "bf16": {"enabled": model_cfg["dtype"] == "bfloat16"},
+            "fp16": {"enabled": model_cfg["dtype"] == "float16"},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=ds_config)
+        self.reference = None
+        if cfg["algorithm"]["kl_beta"] > 0:
+            self.reference = load_causal_lm(model_path, dtype).to(self.device).eval().requires_grad_(False)
+        self.pad_id = self.engine.module.config.get_text_config().pad_token_id or 0
+        return self.rank
+
+    def _forward_logp(self, module, batch: dict, with_entropy: bool):
+        temperature = self.cfg["rollout"]["temperature"]
+        logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+        logp = algo.token_logprobs(logits, batch["input_ids"][:, 1:], temperature)
+        entropy = algo.token_entropy(logits.detach(), temperature) if with_entropy else None
+        return logp, entropy
+
+    def train(self, trajectory_refs: list, advantages: list[float]) -> dict:
+        """`updates_per_batch` optimizer steps on this rank's shard; returns sums for exact aggregation."""
+        start = time.perf_counter()
+        trajs = [t for chunk in ray.get(trajectory_refs) for t in chunk]
+        alg, micro = self.cfg["algorithm"], self.cfg["learner"]["micro_batch_size"]
+        # The loss divides by global counts, so every token (token_mean) or sequence (seq_mean) weighs the same
+        # whatever the rank and micro-batch it lands in.
+        denominator = sum(t.num_policy_tokens for t in trajs) if alg["loss_agg"] == "token_mean" else len(trajs)
+        per_rank = len(trajs) // self.world_size
+        lo = self.rank * per_rank
+        shard, shard_adv = trajs[lo:lo + per_rank], torch.tensor(advantages[lo:lo + per_rank])
+        stats = {"loss": 0.0, "mask_sum": 0.0, "clip_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0,
+                 "grad_norm": 0.0}
+        self.engine.train()
+        for _ in range(alg["updates_per_batch"]):
+            for m in range(self.micro_batches):
+                batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id)
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                logp, entropy = self._forward_logp(self.engine, batch, with_entropy=True)
+                ref_logp = None
+                if self.reference is not None:
+                    with torch.no_grad():
+                        ref_logp, _ = self._forward_logp(self.reference, batch, with_entropy=False)
+                adv = shard_adv[m * micro:(m + 1) * micro].to(self.device)
+                loss, s = algo.grpo_loss(logp, batch["old_logp"], adv, batch["mask"], eps_low=alg["eps_low"],
+                                         eps_high=alg["eps_high"], loss_agg=alg["loss_agg"], ref_logp=ref_logp,
+                                         kl_beta=alg["kl_beta"], global_denominator=denominator)
+                # DeepSpeed averages gradients over ranks; scaling by world size makes the sum of all ranks'
+                # micro-batch losses the batch loss.
+                self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                self.engine.step()
+                stats["loss"] += loss.item()
+                stats["entropy_sum"] += (entropy * batch["mask"]).sum().item()
+                for k in ("mask_sum", "clip_sum", "kl_sum"):
+                    stats[k] += s[k]
+            stats["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        stats["updates"] = alg["updates_per_batch"]
+        stats["lr"] = self.engine.get_lr()[0]
+        stats["seconds"] = time.perf_counter() - start
+        return stats
+
+    def named_weights(self):
+        """(name, full tensor) for every parameter; under ZeRO-3 all ranks must iterate together."""
+        module = self.engine.module
+        zero3 = self.cfg["learner"]["zero_stage"] == 3
+        import deepspeed
+        for name, param in module.named_parameters():
+            if zero3:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+                    yield name, param.detach().clone()
+            else:
+                yield name, param.detach()
+
+    def publish_weights(self, version: int, bucket_mb: float):
+        """Rank 0 puts the weights into the object store and returns the manifest; other ranks help gather."""
+        from cluster.weight_sync import WeightPublisher
+        start = time.perf_counter()
+        if self.rank != 0:
+            for _ in self.named_weights():
+                pass
+            return None
+        if not hasattr(self, "publisher"):
+            self.publisher = WeightPublisher(bucket_mb)
+        manifest = self.publisher.publish(self.named_weights(), version)
+        return manifest, time.perf_counter() - start
+
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token_t | tokens_<t) at temperature 1 under the current weights, for t >= 1."""
+        self.engine.eval()
+        out = []
+        with torch.no_grad():
+            for seq in sequences:
+                ids = torch.tensor([seq], device=self.device)
+                logits = self.engine.module(input_ids=ids).logits[:, :-1]
+                out.append(algo.token_logprobs(logits, ids[:, 1:]).squeeze(0).tolist())
+        return out
+
+    def save(self, checkpoint_dir: str, hf_dir: str | None) -> None:
+        """DeepSpeed state (weights, optimizer, scheduler) on every rank; rank 0 also writes the HF model."""
+        self.engine.save_checkpoint(checkpoint_dir, tag="deepspeed", save_latest=False)
+        weights = {n: t.cpu() for n, t in self.named_weights()}
+        if self.rank == 0 and hf_dir:
+            self.engine.module.save_pretrained(hf_dir, state_dict=weights, safe_serialization=True)
+
+    def load(self, checkpoint_dir: str) -> None:
+        path, _ = self.engine.load_checkpoint(checkpoint_dir, tag="deepspeed", load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {checkpoint_dir}")
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LearnerGroup:
+    """The driver's handle on the K DeepSpeed ranks: fans calls out and combines their answers."""
+
+    def __init__(self, cfg, placement, model_path: str, resume_from=None):
+        res = cfg.cluster.learner
+        self.cfg = cfg
+        self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}")).remote(
+            i, res.num, res.threads) for i in range(res.num)]
+        master = ray.get(self.ranks[0].address.remote())
+        total_updates = cfg.total_steps * cfg.algorithm.updates_per_batch
+        ray.get([r.setup.remote(master, model_path, cfg.dump(), total_updates) for r in self.ranks])
+        if resume_from is not None:
+            ray.get([r.load.remote(str(resume_from)) for r in self.ranks])
+
+    def train(self, trajectory_refs: list, advantages: list[float]) -> dict:
+        per_rank = ray.get([r.train.remote(trajectory_refs, advantages) for r in self.ranks])
+        summed = {k: sum(p[k] for p in per_rank) for k in ("loss", "mask_sum", "clip_sum", "kl_sum", "entropy_sum")}
+        # Each rank's loss is its share of the batch loss; per update they add up to it.
+        summed["loss"] /= per_rank[0]["updates"]
+        return {**summed, "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
+                "seconds": max(p["seconds"] for p in per_rank)}
+
+    def publish(self, version: int):
+        """(manifest, seconds) from rank 0; all ranks take part so ZeRO-3 can gather."""
+        results = ray.get([r.publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb) for r in self.ranks])
+        return results[0]
+
+    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        return ray.get([r.sequence_logprobs.remote(sequences) for r in self.ranks])[0]
+
+    def save(self, checkpoint_dir) -> None:
+        ray.get([r.save.remote(str(checkpoint_dir), str(checkpoint_dir)) for r in self.ranks])
+
+    def shutdown(self) -> None:
+        ray.get([r.shutdown.remote() for r in self.ranks])
+        for r in self.ranks:
+            ray.kill(r)

