@@ -7,9 +7,13 @@ actor with the config's `args` (so models stay resident) and then called with th
 """
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
 REWARDS: dict[str, Callable] = {}
+# The modules whose rewards are registered on first use; the heavy ones import their models only when built.
+BUILTIN_MODULES = ("rewards.builtin", "rewards.text_similarity", "rewards.semantic", "rewards.adaptive",
+                   "rewards.formats", "rewards.tool_use")
 
 
 def register_reward(name: str):
@@ -23,8 +27,8 @@ def register_reward(name: str):
 
 def make_reward(name: str, args: dict) -> Callable:
     """The callable for reward `name`: a class is built with `args`; a function gets them bound."""
-    import rewards.builtin  # noqa: F401  registers the built-in rewards
-
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
     if name not in REWARDS:
         raise KeyError(f"unknown reward {name!r}; registered: {sorted(REWARDS)}")
     target = REWARDS[name]

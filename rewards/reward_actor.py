@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 import ray
 
 from actors.trajectory import Trajectory
+from rewards.nci import group_nci
 from rewards.registry import make_reward
 
 log = logging.getLogger("medray.rewards")
@@ -58,5 +59,19 @@ class RewardActor:
                 comps = {spec["name"]: [0.0] * n}
             by_spec.append(comps)
         components = {k: v for comps in by_spec for k, v in comps.items()}
-        total = combine(by_spec, [s.get("weight", 1.0) for s in self.specs], n)
-        return {"total": total, "components": components, "errors": errors, "seconds": time.perf_counter() - start}
+        weights = [s.get("weight", 1.0) for s in self.specs]
+        total = combine(by_spec, weights, n)
+        nci = group_nci(components, {k: w for comps, w in zip(by_spec, weights) for k in comps},
+                        [t.group for t in trajectories])
+        return {"total": total, "components": components, "nci": nci, "errors": errors,
+                "seconds": time.perf_counter() - start}
+
+    def state_dict(self) -> dict:
+        """The state of every stateful reward (ARMed's Adapt streams), keyed "<position>:<name>", for checkpoints."""
+        return {f"{i}:{spec['name']}": fn.state_dict() for i, (spec, fn) in enumerate(zip(self.specs, self.rewards))
+                if hasattr(fn, "state_dict")}
+
+    def load_state_dict(self, state: dict) -> None:
+        for i, (spec, fn) in enumerate(zip(self.specs, self.rewards)):
+            if f"{i}:{spec['name']}" in state:
+                fn.load_state_dict(state[f"{i}:{spec['name']}"])

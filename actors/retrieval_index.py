@@ -1,0 +1,248 @@
+"""The on-disk retrieval index: dense FAISS index, BM25 index, memory-mapped document store and a manifest.
+
+One index directory (or one shard of a sharded index) holds::
+
+    manifest.json   encoder identity + checksum, corpus checksum, index settings, counts, faiss/bm25s versions
+    docs.jsonl      one chunk per line (id, doc_id, title, text, source)
+    offsets.npy     int64 byte offsets of those lines (n + 1), memory-mapped: a chunk is read without the rest
+    dense.faiss     FAISS index over L2-normalised embeddings; inner product = cosine
+    bm25/           bm25s index (memory-mapped on load)
+
+A sharded index is a directory whose manifest lists ``shards`` (sub-directories of the layout above, each a contiguous
+slice of the corpus). :func:`check_manifest` refuses an index built with another encoder or from another corpus, so
+a query is never scored against vectors of a different model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import time
+from importlib.metadata import version
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Bump when the directory layout or manifest fields change; older indexes are then refused.
+INDEX_FORMAT = 1
+MANIFEST = "manifest.json"
+BM25_STOPWORDS = "en"
+
+
+class IndexConfig(BaseModel):
+    """How the dense index is built and searched. ``flat`` is exact; ``hnsw`` and ``ivfpq`` are approximate."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["flat", "hnsw", "ivfpq"] = "flat"
+    hnsw_m: int = Field(32, ge=4, description="HNSW graph degree")
+    ef_construction: int = Field(200, ge=8, description="HNSW build-time beam width")
+    ef_search: int = Field(128, ge=1, description="HNSW query-time beam width (recall vs speed)")
+    nlist: int | None = Field(None, ge=1, description="IVF lists; default 4*sqrt(n), at most n/39")
+    pq_m: int = Field(48, ge=1, description="PQ sub-quantizers; must divide the embedding dimension")
+    pq_bits: int = Field(8, ge=4, le=12)
+    nprobe: int = Field(32, ge=1, description="IVF lists visited per query")
+    refine_factor: int = Field(4, ge=0, description="IVF-PQ: re-rank k*factor candidates on exact vectors; 0 = off")
+    gpu: bool = Field(True, description="move flat / IVF-PQ indexes to the GPUs when faiss-gpu sees any")
+
+
+class IndexMismatchError(ValueError):
+    """The index on disk was built with another encoder, from another corpus, or in another format."""
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class DocStore:
+    """Read-only chunk store: a JSONL blob and its line offsets, both memory-mapped."""
+
+    def __init__(self, directory: Path):
+        self.offsets = np.load(directory / "offsets.npy", mmap_mode="r")
+        with open(directory / "docs.jsonl", "rb") as fh:
+            self._blob = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, row: int) -> dict:
+        return json.loads(self._blob[int(self.offsets[row]) : int(self.offsets[row + 1])])
+
+    @staticmethod
+    def write(directory: Path, chunks: list[dict]) -> None:
+        offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
+        with open(directory / "docs.jsonl", "wb") as fh:
+            for i, chunk in enumerate(chunks):
+                line = json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+                fh.write(line)
+                offsets[i + 1] = offsets[i] + len(line)
+        np.save(directory / "offsets.npy", offsets)
+
+
+def build_dense_index(vectors: np.ndarray, config: IndexConfig):
+    """A CPU FAISS index over unit-norm ``vectors`` (n, d) with inner-product metric, trained and filled."""
+    import faiss
+
+    n, dim = vectors.shape
+    if config.kind == "flat":
+        index = faiss.IndexFlatIP(dim)
+    elif config.kind == "hnsw":
+        index = faiss.IndexHNSWFlat(dim, config.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = config.ef_construction
+    else:
+        nlist = config.nlist or int(4 * np.sqrt(n))
+        nlist = max(1, min(nlist, n // 39))  # FAISS wants >= 39 training points per centroid
+        if dim % config.pq_m or n < 2**config.pq_bits:
+            raise ValueError(f"ivfpq needs pq_m ({config.pq_m}) to divide dim ({dim}) and >= {2**config.pq_bits} "
+                             f"vectors (have {n}); use kind='flat' for a corpus this small")
+        spec = f"IVF{nlist},PQ{config.pq_m}x{config.pq_bits}" + (",RFlat" if config.refine_factor else "")
+        index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
+        sample = vectors[np.random.default_rng(0).choice(n, size=min(n, 256 * nlist), replace=False)]
+        index.train(sample)
+    index.add(vectors)
+    return index
+
+
+def prepare_for_search(index, config: IndexConfig):
+    """Set query-time parameters and, when faiss-gpu sees GPUs, move a flat / IVF-PQ index onto them.
+
+    HNSW has no FAISS GPU implementation and stays on the CPU. The GPU path is not exercised by medray's tests (they
+    run on faiss-cpu); an index FAISS cannot clone to the GPU (e.g. IVF-PQ wrapped in a refine stage) stays on the CPU.
+    """
+    import faiss
+
+    params = {"hnsw": {"efSearch": config.ef_search},
+              "ivfpq": {"nprobe": config.nprobe, **({"k_factor": config.refine_factor} if config.refine_factor else {})}}
+    if config.gpu and config.kind != "hnsw" and faiss.get_num_gpus() > 0:
+        try:
+            index = faiss.index_cpu_to_all_gpus(index)
+            space = faiss.GpuParameterSpace()
+        except (RuntimeError, AttributeError):
+            space = faiss.ParameterSpace()
+    else:
+        space = faiss.ParameterSpace()
+    for name, value in params.get(config.kind, {}).items():
+        space.set_index_parameter(index, name, value)
+    return index
+
+
+def resolve_corpus(kb: str | os.PathLike) -> Path:
+    """'hpo' -> the HPO world's chunks file under medray's cache (built on first use); else an existing JSONL path."""
+    if str(kb) == "hpo":
+        from tasks.build_hpo import ensure_hpo_world
+        from tasks.hpo import cache_dir
+
+        return ensure_hpo_world(cache_dir() / "hpo_world", seed=0)["kb"]
+    if not Path(kb).is_file():
+        raise FileNotFoundError(f"corpus {kb} not found: give a chunks JSONL (id, doc_id, title, text, source) or 'hpo'")
+    return Path(kb)
+
+
+def bm25_tokenize(texts: list[str]) -> list[list[str]]:
+    """Lower-cased word tokens without English stop words; the same function for the corpus and the queries."""
+    import bm25s
+
+    return bm25s.tokenize(texts, stopwords=BM25_STOPWORDS, return_ids=False, show_progress=False)
+
+
+def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndarray, *, encoder_identity: dict,
+                corpus: dict, config: IndexConfig, shards: int = 1, extra: dict | None = None,
+                progress: bool = True) -> dict:
+    """Persist ``chunks`` and their ``vectors`` as an index (``shards`` > 1: one sub-directory per contiguous slice).
+
+    ``corpus`` is {"source", "sha256"} of the chunks file the vectors came from; ``extra`` goes into the top-level
+    manifest as is (e.g. encoding throughput). Written into a temporary sibling and
+    renamed, so a half-written index is never found. Returns the top-level manifest.
+    """
+    if len(chunks) != len(vectors) or not len(chunks):
+        raise ValueError(f"need one vector per chunk and at least one chunk (have {len(chunks)} chunks, "
+                         f"{len(vectors)} vectors)")
+    if not 1 <= shards <= len(chunks):
+        raise ValueError(f"shards must be between 1 and the number of chunks ({len(chunks)}), got {shards}")
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    common = {"format": INDEX_FORMAT, "encoder": encoder_identity, "corpus": {**corpus, "chunks": len(chunks)},
+              "index": config.model_dump()}
+    if shards == 1:
+        manifest = _write_shard(tmp, chunks, vectors, {**common, **(extra or {})}, config, progress)
+    else:
+        names = []
+        bounds = np.linspace(0, len(chunks), shards + 1).astype(int)
+        for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+            names.append(f"shard-{i:05d}-of-{shards:05d}")
+            (tmp / names[-1]).mkdir()
+            _write_shard(tmp / names[-1], chunks[start:stop], vectors[start:stop],
+                         {**common, "shard": {"index": i, "count": shards, "start": int(start)}}, config, progress)
+        manifest = {**common, "shards": names, **(extra or {})}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return manifest
+
+
+def _write_shard(directory: Path, chunks: list[dict], vectors: np.ndarray, common: dict, config: IndexConfig,
+                 progress: bool) -> dict:
+    import bm25s
+    import faiss
+
+    seconds = {}
+    started = time.perf_counter()
+    DocStore.write(directory, chunks)
+    faiss.write_index(build_dense_index(vectors, config), str(directory / "dense.faiss"))
+    seconds["dense"] = round(time.perf_counter() - started, 3)
+    started = time.perf_counter()
+    bm25 = bm25s.BM25()
+    bm25.index(bm25_tokenize([c["text"] for c in chunks]), show_progress=progress)
+    bm25.save(directory / "bm25", show_progress=False)
+    seconds["bm25"] = round(time.perf_counter() - started, 3)
+    manifest = {**common, "count": len(chunks), "build_seconds": seconds,
+                "versions": {"faiss": faiss.__version__, "bm25s": version("bm25s")}}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(index_dir: str | os.PathLike) -> dict:
+    path = Path(index_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{index_dir} is not a retrieval index (no {MANIFEST}); build one with "
+                                f"python -m actors.build_index")
+    return json.loads(path.read_text())
+
+
+def shard_dirs(index_dir: str | os.PathLike) -> list[Path]:
+    """The directories to load, one per shard (the index itself when it is not sharded)."""
+    manifest = read_manifest(index_dir)
+    return [Path(index_dir) / name for name in manifest.get("shards", [])] or [Path(index_dir)]
+
+
+def check_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identity: dict,
+                   corpus_sha256: str | None = None) -> None:
+    """Raise :class:`IndexMismatchError` unless the index was built in this format, by this encoder (same weights,
+    pooling and length) and, when ``corpus_sha256`` is given, from that corpus."""
+    rebuild = f"rebuild it with: python -m actors.build_index --out {index_dir} --kb <corpus> --encoder <encoder>"
+    if manifest.get("format") != INDEX_FORMAT:
+        raise IndexMismatchError(f"index {index_dir} has format {manifest.get('format')}, this medray reads "
+                                 f"{INDEX_FORMAT}; {rebuild}")
+    built = manifest["encoder"]
+    differing = [key for key in ("checksum", "dim", "pooling", "max_length") if built.get(key) != encoder_identity[key]]
+    if differing:
+        raise IndexMismatchError(
+            f"index {index_dir} was built with encoder {built['name']} ({', '.join(f'{k}={built.get(k)}' for k in differing)}) "
+            f"but the given encoder is {encoder_identity['name']} "
+            f"({', '.join(f'{k}={encoder_identity[k]}' for k in differing)}); {rebuild}")
+    if corpus_sha256 is not None and manifest["corpus"]["sha256"] != corpus_sha256:
+        raise IndexMismatchError(
+            f"index {index_dir} was built from corpus {manifest['corpus']['source']} (sha256 "
+            f"{manifest['corpus']['sha256'][:12]}...) but the given corpus has sha256 {corpus_sha256[:12]}...; {rebuild}")

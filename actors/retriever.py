@@ -1,0 +1,245 @@
+"""Retrieval for reasoning-with-retrieval rollouts: dense (FAISS), sparse (BM25) or hybrid search over a built index.
+
+:class:`LocalRetriever` answers batches of queries in-process; :class:`Retriever` is the same as a Ray actor (encoder
+and index stay resident, Ray restarts it after a crash); :class:`ShardedRetriever` runs one actor per shard of a
+sharded index and merges their top-k lists. Every hit is ``{id, doc_id, title, text, score}``, best first, ties
+broken by chunk id so that results are deterministic and a sharded search equals the unsharded one (exactly for
+dense search; BM25 statistics are per shard, so sparse and hybrid scores differ slightly across shardings).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+
+from actors.encoders import Encoder, load_encoder
+from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, prepare_for_search,
+                                    read_manifest, resolve_corpus, sha256_file, shard_dirs)
+
+
+class RetrievalConfig(BaseModel):
+    """How queries are answered (Med-RwR: dense, top 3; Med-R3: hybrid, top 5)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["dense", "sparse", "hybrid"] = "hybrid"
+    top_k: int = Field(5, ge=1)
+    fusion: Literal["rrf", "weighted"] = Field("rrf", description="hybrid: reciprocal rank or weighted score fusion")
+    rrf_k: int = Field(60, ge=1, description="RRF constant: score = sum 1 / (rrf_k + rank)")
+    dense_weight: float = Field(0.5, ge=0, le=1, description="weighted fusion: weight of the dense score")
+    candidates: int = Field(50, ge=1, description="hybrid: hits taken from each retriever before fusion")
+    cache_size: int = Field(1024, ge=0, description="LRU query-cache entries; 0 disables it")
+    query_batch_size: int = Field(64, ge=1)
+    ef_search: int | None = Field(None, ge=1, description="override the index's HNSW efSearch")
+    nprobe: int | None = Field(None, ge=1, description="override the index's IVF nprobe")
+
+
+Ranking = list[tuple[int, float]]  # (row, score), best first
+
+
+def reciprocal_rank_fusion(rankings: list[Ranking], rrf_k: int = 60) -> Ranking:
+    """Sum over rankings of 1 / (rrf_k + rank), rank from 1; robust to the rankings' incomparable score scales."""
+    fused: dict[int, float] = {}
+    for ranking in rankings:
+        for rank, (row, _) in enumerate(ranking, start=1):
+            fused[row] = fused.get(row, 0.0) + 1.0 / (rrf_k + rank)
+    return sorted(fused.items(), key=lambda item: -item[1])
+
+
+def weighted_fusion(rankings: list[Ranking], weights: list[float]) -> Ranking:
+    """Weighted sum of min-max normalised scores; a row missing from a ranking scores 0 there."""
+    fused: dict[int, float] = {}
+    for ranking, weight in zip(rankings, weights):
+        if not ranking:
+            continue
+        scores = np.array([score for _, score in ranking])
+        low, span = scores.min(), scores.max() - scores.min()
+        for (row, _), score in zip(ranking, scores):
+            normalised = (score - low) / span if span > 0 else 1.0
+            fused[row] = fused.get(row, 0.0) + weight * float(normalised)
+    return sorted(fused.items(), key=lambda item: -item[1])
+
+
+def merge_shard_results(per_shard: list[list[list[dict]]], top_k: int) -> list[list[dict]]:
+    """Per-shard hit lists (shard -> query -> hits) -> the global top ``top_k`` of each query, best first."""
+    merged = []
+    for hits_of_query in zip(*per_shard):
+        hits = [hit for shard_hits in hits_of_query for hit in shard_hits]
+        merged.append(sorted(hits, key=lambda hit: (-hit["score"], hit["id"]))[:top_k])
+    return merged
+
+
+class LRUCache:
+    """A bounded mapping that forgets the least recently used entry."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._entries: OrderedDict = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return self._entries[key]
+        self.misses += 1
+        return None
+
+    def put(self, key, value) -> None:
+        if self.capacity == 0:
+            return
+        self._entries[key] = value
+        self._entries.move_to_end(key)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+
+class LocalRetriever:
+    """Searches one (unsharded, or one shard's) index directory in this process.
+
+    ``encoder`` is an :class:`Encoder`, a model directory / alias, or None for the one recorded in the manifest;
+    ``corpus`` (a chunks JSONL path or "hpo"), when given, must be the corpus the index was built from. Either mismatch
+    raises :class:`~actors.retrieval_index.IndexMismatchError`.
+    """
+
+    def __init__(self, index_dir: str | os.PathLike, encoder: Encoder | str | None = None, corpus: str | None = None,
+                 config: RetrievalConfig | dict | None = None):
+        import bm25s
+        import faiss
+
+        self.index_dir = Path(index_dir)
+        self.manifest = read_manifest(self.index_dir)
+        if "shards" in self.manifest:
+            raise ValueError(f"{index_dir} is a sharded index ({len(self.manifest['shards'])} shards): load one "
+                             f"shard directory, or search them all with ShardedRetriever")
+        self.config = config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))
+        built = self.manifest["encoder"]
+        if not isinstance(encoder, Encoder):
+            encoder = load_encoder(encoder or built["source"], pooling=built["pooling"], max_length=built["max_length"])
+        self.encoder = encoder
+        corpus_sha256 = sha256_file(resolve_corpus(corpus)) if corpus else None
+        check_manifest(self.manifest, self.index_dir, encoder.identity, corpus_sha256)
+        self.docs = DocStore(self.index_dir)
+        overrides = {k: v for k, v in {"ef_search": self.config.ef_search, "nprobe": self.config.nprobe}.items() if v}
+        index_config = IndexConfig(**{**self.manifest["index"], **overrides})
+        self.dense = prepare_for_search(faiss.read_index(str(self.index_dir / "dense.faiss")), index_config)
+        self.bm25 = bm25s.BM25.load(self.index_dir / "bm25", mmap=True, show_progress=False)
+        self.cache = LRUCache(self.config.cache_size)
+        self.queries_served = 0
+
+    def search(self, queries: list[str], top_k: int | None = None) -> list[list[dict]]:
+        """The best ``top_k`` (default: config) chunks for each query; cached queries are not searched again."""
+        top_k = top_k or self.config.top_k
+        self.queries_served += len(queries)
+        results = {q: self.cache.get((q, top_k)) for q in dict.fromkeys(queries)}
+        missing = [q for q, hits in results.items() if hits is None]
+        if missing:
+            for query, hits in zip(missing, self._search(missing, top_k)):
+                results[query] = hits
+                self.cache.put((query, top_k), hits)
+        return [[dict(hit) for hit in results[q]] for q in queries]
+
+    def stats(self) -> dict:
+        """Counters for health checks and metrics."""
+        return {"chunks": len(self.docs), "shard": self.manifest.get("shard"), "queries": self.queries_served,
+                "cache_hits": self.cache.hits, "cache_misses": self.cache.misses}
+
+    def _search(self, queries: list[str], top_k: int) -> list[list[dict]]:
+        mode, config = self.config.mode, self.config
+        k = min(top_k, len(self.docs))
+        depth = min(max(k, config.candidates), len(self.docs)) if mode == "hybrid" else k
+        if mode == "dense":
+            rankings = self._dense(queries, depth)
+        elif mode == "sparse":
+            rankings = self._sparse(queries, depth)
+        else:
+            pairs = zip(self._dense(queries, depth), self._sparse(queries, depth))
+            if config.fusion == "rrf":
+                rankings = [reciprocal_rank_fusion(list(pair), config.rrf_k) for pair in pairs]
+            else:
+                weights = [config.dense_weight, 1 - config.dense_weight]
+                rankings = [weighted_fusion(list(pair), weights) for pair in pairs]
+        return [self._hits(ranking, k) for ranking in rankings]
+
+    def _dense(self, queries: list[str], depth: int) -> list[Ranking]:
+        vectors = self.encoder.encode(queries, batch_size=self.config.query_batch_size)
+        scores, rows = self.dense.search(vectors, depth)
+        return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
+
+    def _sparse(self, queries: list[str], depth: int) -> list[Ranking]:
+        rankings = []
+        for tokens in bm25_tokenize(queries):
+            token_ids = self.bm25.get_tokens_ids(tokens)
+            if not token_ids:
+                rankings.append([])
+                continue
+            scores = self.bm25.get_scores_from_ids(token_ids)
+            top = np.argpartition(-scores, depth - 1)[:depth] if depth < len(scores) else np.arange(len(scores))
+            top = top[np.argsort(-scores[top], kind="stable")]
+            rankings.append([(int(r), float(scores[r])) for r in top if scores[r] > 0])
+        return rankings
+
+    def _hits(self, ranking: Ranking, k: int) -> list[dict]:
+        """Ranked rows -> hit dicts; ties at equal score ordered by chunk id (what merge_shard_results does too)."""
+        hits = []
+        for row, score in ranking:
+            chunk = self.docs[row]
+            hits.append({"id": chunk["id"], "doc_id": chunk["doc_id"], "title": chunk["title"], "text": chunk["text"],
+                         "score": score})
+        return sorted(hits, key=lambda hit: (-hit["score"], hit["id"]))[:k]
+
+
+@ray.remote(max_restarts=3, max_task_retries=2)
+class Retriever(LocalRetriever):
+    """:class:`LocalRetriever` as a Ray actor with its own thread budget.
+
+    A search is read-only, so Ray may safely retry it on the restarted actor after a crash.
+    """
+
+    def __init__(self, index_dir: str, *, threads: int = 1, **kwargs):
+        import faiss
+
+        from cluster.devices import pin_threads
+
+        pin_threads(threads)
+        faiss.omp_set_num_threads(threads)
+        super().__init__(index_dir, **kwargs)
+
+
+@ray.remote(num_cpus=0)
+def _merge_task(top_k: int, *per_shard: list[list[dict]]) -> list[list[dict]]:
+    return merge_shard_results(list(per_shard), top_k)
+
+
+class ShardedRetriever:
+    """One :class:`Retriever` actor per shard of an index; queries go to every shard and the top-k lists are merged.
+
+    Holds only actor handles, so it can be passed to other actors. ``actor_options`` go to ``Retriever.options``
+    (num_cpus, num_gpus, scheduling_strategy, ...); ``retriever_kwargs`` to each actor (encoder, corpus, config).
+    """
+
+    def __init__(self, index_dir: str | os.PathLike, *, threads: int = 1, actor_options: dict | None = None,
+                 **retriever_kwargs):
+        config = retriever_kwargs.get("config")
+        self.top_k = (config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))).top_k
+        options = {"num_cpus": 1, **(actor_options or {})}
+        self.actors = [Retriever.options(**options).remote(str(d), threads=threads, **retriever_kwargs)
+                       for d in shard_dirs(index_dir)]
+
+    def search_async(self, queries: list[str], top_k: int | None = None) -> ray.ObjectRef:
+        """An ObjectRef to the merged results, so rollouts can keep generating while retrieval runs."""
+        top_k = top_k or self.top_k
+        refs = [actor.search.remote(queries, top_k) for actor in self.actors]
+        return refs[0] if len(refs) == 1 else _merge_task.remote(top_k, *refs)
+
+    def search(self, queries: list[str], top_k: int | None = None) -> list[list[dict]]:
+        return ray.get(self.search_async(queries, top_k))
+
+    def stats(self) -> list[dict]:
+        return ray.get([actor.stats.remote() for actor in self.actors])

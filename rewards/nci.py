@@ -1,0 +1,31 @@
+"""ARMed's Normalised Contribution Index (003_16ec4d72bad9d774.txt, appendix E.1, eq. S8): how much each reward
+component steers the GRPO advantage. A component whose NCI falls to ~0 has collapsed."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def nci(components: dict[str, list[float]], weights: dict[str, float]) -> dict[str, float]:
+    """NCI_k = g_k * sigma(R_k) / sigma(r) * corr(R_k, r) with r = sum_k g_k R_k, which equals
+    g_k * cov(R_k, r) / var(r); the NCIs sum to 1. A constant component gets 0; if the total r is constant (no
+    advantage signal at all) every NCI is 0. Population (ddof=0) statistics over the given samples."""
+    values = {k: np.asarray(v, dtype=float) for k, v in components.items()}
+    total = sum(weights[k] * v for k, v in values.items())
+    var = float(np.var(total))
+    if var <= 1e-12:
+        return {k: 0.0 for k in values}
+    centred = total - total.mean()
+    return {k: float(weights[k] * np.mean((v - v.mean()) * centred) / var) for k, v in values.items()}
+
+
+def group_nci(components: dict[str, list[float]], weights: dict[str, float], groups: list[int]) -> dict[str, float]:
+    """NCI as GRPO sees it: computed within each prompt's group (the advantage is normalised per group), then
+    averaged over the groups whose total reward varies (the others give the update no signal). Sums to 1 unless no
+    group varies, when every NCI is 0."""
+    per_group = []
+    for g in dict.fromkeys(groups):
+        rows = [i for i, x in enumerate(groups) if x == g]
+        scores = nci({k: [v[i] for i in rows] for k, v in components.items()}, weights)
+        if any(scores.values()):
+            per_group.append(scores)
+    return {k: float(np.mean([s[k] for s in per_group])) if per_group else 0.0 for k in components}

@@ -1,0 +1,31 @@
+"""Shared fixtures: one local Ray session and one tiny model for the whole test run."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory):
+    """A private local Ray (never someone else's cluster), bound to loopback, shared by every test that needs one."""
+    import ray
+    from cluster.ray_session import start_or_join
+    from learners.config import ClusterConfig
+
+    os.environ.pop("RAY_ADDRESS", None)
+    start_or_join(ClusterConfig(num_cpus=2))
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> Path:
+    from learners.config import TinyModelConfig
+    from learners.tiny_models import ensure_tiny_model
+    return ensure_tiny_model(TinyModelConfig())
