@@ -6,6 +6,7 @@ import time
 
 import ray
 
+from actors.environment import Episode, EpisodeRunner, Grammar, to_trajectory
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
 from cluster.weight_sync import WeightManifest, receive_weights
@@ -13,7 +14,7 @@ from cluster.weight_sync import WeightManifest, receive_weights
 
 @ray.remote(max_restarts=3, max_task_retries=0)
 class RolloutWorker:
-    """vLLM in-process inside the actor.
+    """vLLM in-process inside the actor; multi-turn episodes run through `actors.environment.EpisodeRunner`.
 
     On CPU the engine runs in this process (no engine-core subprocess: ~3 s start instead of ~25 s) with the
     uni-process executor, so `update_weights` hands tensors straight to the model runner.
@@ -21,21 +22,25 @@ class RolloutWorker:
 
     def __init__(self, model_path: str, *, seed: int, threads: int, dtype: str = "float32",
                  max_model_len: int = 1024, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
-                 logprobs_mode: str = "processed_logprobs", version: int = 0):
+                 logprobs_mode: str = "processed_logprobs", version: int = 0, grammar: dict | None = None,
+                 retriever=None):
         pin_threads(threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 
         self.device = accelerator()
+        # On CPU a fixed KV-cache size; vLLM's fraction-of-memory reservation fails whenever other actors hold memory.
+        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if self.device == "cpu" else \
+            {"gpu_memory_utilization": gpu_memory_utilization}
         self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        distributed_executor_backend="uni", enforce_eager=True, enable_prefix_caching=True,
-                       gpu_memory_utilization=gpu_memory_utilization, logprobs_mode=logprobs_mode,
+                       logprobs_mode=logprobs_mode, **memory,
                        # Chunked prefill rewinds per-request generators, which CPU generators cannot do
                        # ("CPU Generator does not use offset"); per-sample seeds keep rollouts reproducible.
                        enable_chunked_prefill=False)
         self.tokenizer = self.llm.get_tokenizer()
+        self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar(**(grammar or {})), retriever)
         self.version = version  # the learner version whose weights the engine holds
 
     def ready(self) -> dict:
@@ -63,23 +68,18 @@ class RolloutWorker:
 
     def rollout(self, tasks: list[dict], groups: list[int], group_size: int, sampling: dict,
                 seed: int) -> tuple[list[Trajectory], dict]:
-        """Single-turn rollouts: `group_size` samples of each task. Sample j of group g uses seed
-        hash(seed, g, j), so a step's samples are reproducible whatever the worker count."""
-        start = time.perf_counter()
-        prompts, seeds, owners = [], [], []
+        """`group_size` episodes of each task, single- or multi-turn as the grammar says. Sample j of group g
+        uses seed hash(seed, g, j), so a step's samples are reproducible whatever the worker count."""
+        episodes = []
         for task, g in zip(tasks, groups):
             ids = self.chat_prompt_ids(task["messages"])
-            for j in range(group_size):
-                prompts.append(ids)
-                seeds.append(sample_seed(seed, g, j))
-                owners.append((task, g))
-        outs = self.generate(prompts, sampling, seeds)
-        trajectories = [Trajectory(task=task, group=g, prompt_ids=p, response_ids=o["ids"], logprobs=o["logprobs"],
-                                   loss_mask=[1] * len(o["ids"]), text=o["text"], finish_reason=o["finish_reason"],
-                                   weight_version=self.version)
-                        for (task, g), p, o in zip(owners, prompts, outs)]
-        summary = {"seconds": time.perf_counter() - start, "lengths": [len(o["ids"]) for o in outs],
-                   "finish_reasons": [o["finish_reason"] for o in outs], "version": self.version}
+            episodes += [Episode(task=task, group=g, seed=sample_seed(seed, g, j), prompt_ids=ids)
+                         for j in range(group_size)]
+        stats = self.runner.run(episodes, sampling)
+        trajectories = [to_trajectory(ep, self.tokenizer, self.version) for ep in episodes]
+        summary = {**stats, "lengths": [len(t.response_ids) for t in trajectories],
+                   "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
+                   "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version}
         return trajectories, summary
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:

@@ -16,7 +16,7 @@ WORKER_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "OMP_WAIT_POLICY": "PASSIVE",
     "TOKENIZERS_PARALLELISM": "false",
-    "PYTHONWARNINGS": "ignore::UserWarning:torch",
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
 

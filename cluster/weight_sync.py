@@ -8,6 +8,7 @@ faster than onto fresh ones.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
@@ -88,10 +89,14 @@ class WeightPublisher:
 
 
 def receive_weights(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a manifest, fetching one bucket at a time; tensors are views on the bucket."""
+    """(name, tensor) pairs of a manifest, fetching one bucket at a time; tensors are read-only views on the
+    shared bucket (the consumer copies them into its own parameters)."""
     for ref, slots in manifest.buckets:
         buf = ray.get(ref)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            flat = torch.from_numpy(buf)
         for s in slots:
             dtype = getattr(torch, s.dtype)
-            flat = torch.from_numpy(buf).view(dtype) if dtype == torch.bfloat16 else torch.from_numpy(buf)
-            yield s.name, flat[s.offset:s.offset + s.numel].view(s.shape)
+            view = flat.view(dtype) if dtype == torch.bfloat16 else flat
+            yield s.name, view[s.offset:s.offset + s.numel].view(s.shape)

@@ -75,7 +75,7 @@ class RolloutConfig(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(32, ge=1)
     stop: list[str] = Field(default_factory=list, description="strings that end a generation (kept in the output)")
-    kv_cache_gb: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE on CPU")
+    kv_cache_gb: float = Field(1.0, gt=0, description="KV-cache size on CPU (on GPU: gpu_memory_utilization)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = 1024
     fidelity_check_every: int = Field(0, ge=0, description="every N steps compare engine and learner logprobs (0: off)")

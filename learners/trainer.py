@@ -219,7 +219,7 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
         "loss": train["loss"],
         "generate_s": max(s["seconds"] for s in summaries), "reward_s": max(s["seconds"] for s in scores), "train_s": train["seconds"],
         **sync,
-        "tokens_per_s": tokens / max(sum(s["seconds"] for s in summaries), 1e-9) * len(summaries),
+        "tokens_per_s": tokens / max(max(s["seconds"] for s in summaries), 1e-9),
         "batch_weight_version": min(batch_versions), "weight_version": version,
         "version_lag": version - 1 - min(batch_versions),
     }

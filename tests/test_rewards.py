@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from rouge_score.rouge_scorer import RougeScorer
 from sacrebleu.metrics import BLEU
 
@@ -65,6 +66,15 @@ def test_score_against_gold_keeps_negative_scores():
 
 
 # ---- CosSim, BERTScore, MedVR open accuracy -------------------------------------------------------------------------
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """As in a reward actor: one thread (on a shared 2-core machine, more threads only contend)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def encoder():
     return load_encoder(None, 64)
