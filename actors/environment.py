@@ -12,23 +12,25 @@ import time
 from dataclasses import dataclass, field
 
 import ray
+from pydantic import BaseModel, ConfigDict, Field
 
 from actors.trajectory import Trajectory
 
 
-@dataclass
-class Grammar:
-    """Which tags the policy and the environment write (configuration, not code paths).
+class Grammar(BaseModel):
+    """Which tags the policy and the environment write (configuration, not code paths): `rollout.grammar`.
 
-    Med-RwR: query/retrieve; Med-R3: search/document; Search-R1: search/information; single turn: action_tag None.
+    Med-RwR: query/retrieve; Med-R3: search/document; Search-R1: search/information; single turn: action_tag null.
     """
+    model_config = ConfigDict(extra="forbid")
+
     answer_tag: str = "answer"
-    action_tag: str | None = None        # the policy asks the environment with <action_tag>...</action_tag>
-    observation_tag: str = "retrieve"    # the environment answers inside <observation_tag>...</observation_tag>
-    max_turns: int = 4                   # environment calls per episode
-    max_response_tokens: int = 512       # policy + environment tokens after the prompt
-    max_observation_tokens: int = 256
-    top_k: int = 3
+    action_tag: str | None = Field(None, description="the policy asks the environment with <tag>...</tag>")
+    observation_tag: str = Field("retrieve", description="the environment answers inside <tag>...</tag>")
+    max_turns: int = Field(4, ge=0, description="environment calls per episode")
+    max_response_tokens: int = Field(512, ge=1, description="policy + environment tokens after the prompt")
+    max_observation_tokens: int = Field(256, ge=1)
+    top_k: int = Field(3, ge=1, description="documents per query (Med-RwR 3, Med-R3 5)")
 
     @property
     def action_close(self) -> str | None:

@@ -121,7 +121,7 @@ def prepare_for_search(index, config: IndexConfig):
     import faiss
 
     params = {"hnsw": {"efSearch": config.ef_search},
-              "ivfpq": {"nprobe": config.nprobe, **({"k_factor": config.refine_factor} if config.refine_factor else {})}}
+              "ivfpq": {"nprobe": config.nprobe, **({"k_factor_rf": config.refine_factor} if config.refine_factor else {})}}
     if config.gpu and config.kind != "hnsw" and faiss.get_num_gpus() > 0:
         try:
             index = faiss.index_cpu_to_all_gpus(index)

@@ -40,7 +40,7 @@ class RolloutWorker:
                        # ("CPU Generator does not use offset"); per-sample seeds keep rollouts reproducible.
                        enable_chunked_prefill=False)
         self.tokenizer = self.llm.get_tokenizer()
-        self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar(**(grammar or {})), retriever)
+        self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}), retriever)
         self.version = version  # the learner version whose weights the engine holds
 
     def ready(self) -> dict:

@@ -11,6 +11,8 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from actors.environment import Grammar
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -78,6 +80,7 @@ class RolloutConfig(Strict):
     kv_cache_gb: float = Field(1.0, gt=0, description="KV-cache size on CPU (on GPU: gpu_memory_utilization)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = 1024
+    grammar: Grammar = Grammar()
     fidelity_check_every: int = Field(0, ge=0, description="every N steps compare engine and learner logprobs (0: off)")
     fidelity_tolerance: float = 1e-4
 

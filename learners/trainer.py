@@ -69,6 +69,9 @@ class Trainer:
             [s.model_dump() for s in cfg.rewards.components], cfg.rewards.timeout_s, cfg.rewards.on_error,
             cfg.cluster.reward.threads) for i in range(cfg.cluster.reward.num)]
         self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from)
+        if resume_from:  # stateful rewards (ARMed's adaptive thresholds) continue where they were
+            states = ckpt.read_state(resume_from).get("reward_states", [])
+            ray.get([r.load_state_dict.remote(s) for r, s in zip(self.rewarders, states)])
         ray.get([w.ready.remote() for w in self.workers] + [r.__ray_ready__.remote() for r in self.rewarders])
         self.version = self.step  # the learner's weight version: one per optimizer step taken
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if resume_from else None)
@@ -90,7 +93,8 @@ class Trainer:
         return [RolloutWorker.options(**self.placement.options("rollout", i, f"RolloutWorker-{i}")).remote(
             model_path, seed=cfg.seed, threads=res.threads, dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, version=self.step) for i in range(res.num)]
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, version=self.step,
+            grammar=cfg.rollout.grammar.model_dump()) for i in range(res.num)]
 
     # ---- one step, stage by stage ---------------------------------------------------------------------------
     def start_rollouts(self, step: int) -> StepRollouts:
@@ -176,8 +180,9 @@ class Trainer:
         tmp = ckpt.staging_dir(self.ckpt_root, self.step)
         self.learners.save(tmp)
         AutoTokenizer.from_pretrained(self.base_model).save_pretrained(tmp)
-        ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version,
-                                                     "seed": self.cfg.seed}, self.cfg.checkpoint.keep_last)
+        reward_states = ray.get([r.state_dict.remote() for r in self.rewarders])
+        ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
+                                                     "reward_states": reward_states}, self.cfg.checkpoint.keep_last)
         return time.perf_counter() - start
 
     def shutdown(self) -> None:
@@ -203,6 +208,10 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
             components.setdefault(k, []).extend(v)
         for k, v in s["errors"].items():
             errors[k] = errors.get(k, 0) + v
+    nci: dict[str, list[float]] = {}
+    for s in scores:
+        for k, v in s.get("nci", {}).items():
+            nci.setdefault(k, []).append(v)
     lengths = [n for s in summaries for n in s["lengths"]]
     batch_versions = [s["version"] for s in summaries]
     tokens = sum(lengths)
@@ -212,8 +221,11 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
         "reward_mean": float(totals.mean()), "reward_std": float(totals.std()),
         **{f"reward/{k}": float(np.mean(v)) for k, v in components.items()},
         **{f"reward_errors/{k}": v for k, v in errors.items()},
+        **{f"nci/{k}": float(np.mean(v)) for k, v in nci.items()},
         "response_length": float(np.mean(lengths)),
         "truncated_fraction": float(np.mean([r == "length" for s in summaries for r in s["finish_reasons"]])),
+        "env_calls": sum(s["env_calls"] for s in summaries), "env_errors": sum(s["env_errors"] for s in summaries),
+        "env_idle_fraction": sum(s["idle_s"] for s in summaries) / max(sum(s["seconds"] for s in summaries), 1e-9),
         "kl": train["kl_sum"] / mask_sum, "entropy": train["entropy_sum"] / mask_sum,
         "clip_fraction": train["clip_sum"] / mask_sum, "grad_norm": train["grad_norm"], "lr": train["lr"],
         "loss": train["loss"],

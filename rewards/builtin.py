@@ -32,26 +32,27 @@ def _normalise(text: str) -> str:
 
 @register_reward("tag_format")
 def tag_format(trajectories: list[Trajectory], tags: tuple[str, ...] = ("think", "answer")) -> dict[str, list[float]]:
-    """Soft format score in [0, 1]: the share of the 2n tags <t1> </t1> ... <tn> </tn> that appear exactly once
-    and in this order, with a non-empty block between each pair.
+    """Soft format score in [0, 1] for the grammar <t1>..</t1> ... <tn>..</tn>: each tag earns 1/2n when it appears
+    exactly once, after the previous earned tag; a closing tag earns only if its opening tag did and the block
+    between them is non-empty.
 
-    1.0 exactly when the response is <t1>..</t1> ... <tn>..</tn>. The partial credit is per tag, not per block,
-    so a policy starting from random weights (which writes a given tag in ~2% of samples) gets a signal.
+    1.0 exactly when the response follows the grammar. Partial credit per tag lets a policy that starts from
+    random weights (writing a given tag in ~2% of samples) find the grammar step by step, and because a closing
+    tag needs its opening tag, stray closing tags earn nothing.
     """
-    expected = [m for t in tags for m in (f"<{t}>", f"</{t}>")]
     scores = []
     for traj in trajectories:
         text, position, good = traj.text, 0, 0
-        for k, marker in enumerate(expected):
-            if text.count(marker) != 1:
+        for tag in tags:
+            opening, closing = f"<{tag}>", f"</{tag}>"
+            start = text.find(opening, position)
+            if text.count(opening) != 1 or start < 0:
                 continue
-            at = text.index(marker)
-            opened_block = k % 2 == 1 and text.count(expected[k - 1]) == 1
-            empty = opened_block and not text[text.index(expected[k - 1]) + len(expected[k - 1]):at].strip()
-            if at >= position and not empty:
-                good += 1
-                position = at + len(marker)
-        scores.append(good / len(expected))
+            good, position = good + 1, start + len(opening)
+            end = text.find(closing, position)
+            if text.count(closing) == 1 and end >= 0 and text[position:end].strip():
+                good, position = good + 1, end + len(closing)
+        scores.append(good / (2 * len(tags)))
     return {"format": scores}
 
 

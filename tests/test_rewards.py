@@ -267,3 +267,20 @@ def test_medvista_tool_needs_a_tool_call_and_a_correct_answer():
     batch = [traj("<answer>A</answer>", turns=[{"tool": "zoom_in"}], **MCQ), traj("<answer>A</answer>", **MCQ),
              traj("<answer>B</answer>", turns=[{"tool": "zoom_in"}], **MCQ)]
     assert medvista_tool(batch)["tool"] == [1.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("text,score", [
+    ("<think>a</think><answer>B</answer>", 1.0),
+    ("<think></think><answer>B</answer>", 0.75),   # empty think block: its closing tag earns nothing
+    ("xx <answer>B", 0.25),
+    ("</think></answer>", 0.0),                     # closing tags without their opening tags
+    ("<think>a<think>", 0.0),                       # a repeated tag earns nothing
+])
+def test_tag_format_partial_credit(text, score):
+    assert make_reward("tag_format", {"tags": ["think", "answer"]})([traj(text)])["format"] == [score]
+
+
+@pytest.mark.parametrize("answer,gold", [("B", 1.0), ("(b) Marfan", 1.0), ("Marfan syndrome", 1.0), ("A", 0.0)])
+def test_accuracy_extracts_the_option(answer, gold):
+    t = answered(answer, answer="B", options={"A": "Gout", "B": "Marfan syndrome"})
+    assert make_reward("accuracy", {})([t])["accuracy"] == [gold]

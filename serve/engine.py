@@ -1,0 +1,146 @@
+"""The vLLM engine inside a Serve replica, behind one async interface: `generate(prompt, params, request_id)` yields
+vLLM `RequestOutput`s as tokens arrive, and closing the generator early aborts the request.
+
+Two implementations, picked by the device Ray gave the replica: on CPU vLLM's `LLMEngine` runs in the replica's own
+process, stepped by a background thread (starts in seconds; vLLM's `AsyncLLM` needs an engine-core process that
+took over a minute to start on this 2-core machine); on a GPU `AsyncLLM` itself, vLLM's own serving engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+from typing import AsyncIterator
+
+from serve.config import EngineSettings
+
+log = logging.getLogger("medray.serve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has failed; the replica reports itself unhealthy so Serve replaces it."""
+
+
+class InProcessEngine:
+    """vLLM's `LLMEngine` in this process, stepped by one daemon thread.
+
+    Every `step()` decodes all requests in flight together, so concurrent HTTP requests share forward passes. Only the
+    engine thread touches the engine: callers send it add/abort commands and read their outputs from an asyncio queue.
+    """
+
+    def __init__(self, engine_args):
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        self.engine = LLMEngine.from_engine_args(engine_args)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error!r}")
+        outputs: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+        self._send(("add", request_id, prompt, params))
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                if isinstance(output, BaseException):
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the client went away or the caller stopped reading
+                self._send(("abort", request_id))
+
+    async def check_health(self) -> None:
+        if self.error is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"engine loop is not running: {self.error!r}")
+
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, outputs = stream
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while not self._commands.empty():
+            kind, request_id, *rest = self._commands.get()
+            if kind == "abort":
+                self.engine.abort_request([request_id])
+                continue
+            try:
+                self.engine.add_request(request_id, *rest)
+            except Exception as e:  # noqa: BLE001  a bad request fails alone; the engine goes on
+                self._deliver(request_id, e)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                for output in self.engine.step():
+                    self._deliver(output.request_id, output)
+        except BaseException as e:  # noqa: BLE001  every waiting request learns why, then health checks fail
+            log.exception("vLLM engine loop failed")
+            self.error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"engine loop failed: {e!r}"))
+
+
+class AsyncLLMEngine:
+    """vLLM's `AsyncLLM` (engine core in its own process), the engine `vllm serve` uses."""
+
+    def __init__(self, engine_args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.engine = AsyncLLM.from_engine_args(engine_args)
+
+    def generate(self, prompt: dict, params, request_id: str) -> AsyncIterator:
+        return self.engine.generate(prompt, params, request_id)
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+
+def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpus: float):
+    """Build the engine for `device` ('cuda' or 'cpu'), setting the CPU environment vLLM reads at start-up."""
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    on_cpu = device == "cpu"
+    backend = settings.backend if settings.backend != "auto" else ("in_process" if on_cpu else "async_llm")
+    if on_cpu:
+        from cluster.devices import pin_threads
+
+        # Ray gives workers OMP_NUM_THREADS=1, which makes vLLM-CPU ~4x slower.
+        pin_threads(settings.threads or max(1, round(num_cpus)))
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gb)))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if backend == "in_process":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    args = dict(model=checkpoint, seed=settings.seed, max_model_len=settings.max_model_len,
+                max_num_seqs=settings.max_num_seqs, enable_prefix_caching=True, disable_log_stats=True,
+                dtype="float32" if on_cpu and settings.dtype == "auto" else settings.dtype,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                # vLLM-CPU: no CUDA graphs to capture; and chunked prefill rewinds per-request generators, which CPU
+                # generators cannot do, so requests with a seed would fail.
+                enforce_eager=on_cpu, enable_chunked_prefill=not on_cpu,
+                distributed_executor_backend="uni" if on_cpu else None)
+    log.info("starting vLLM (%s, %s) on %s", backend, checkpoint, device)
+    if backend == "in_process":
+        return InProcessEngine(EngineArgs(**args))
+    return AsyncLLMEngine(AsyncEngineArgs(**args))
