@@ -11,13 +11,15 @@ whole HPO knowledge base (38.9k chunks) takes ~45 min on such a machine; a GPU d
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from actors.encoders import MINILM_NAMES, Encoder, load_encoder
-from actors.retrieval_index import IndexConfig, resolve_corpus, sha256_file, write_index
+from actors.encoders import Encoder, load_encoder
+from actors.retrieval_index import IndexConfig, read_manifest, resolve_corpus, sha256_file, write_index
 
 
 def read_chunks(path: str | os.PathLike) -> list[dict]:
@@ -30,12 +32,11 @@ def build_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enco
                 progress: bool = True) -> dict:
     """Encode every chunk of ``kb`` with ``encoder`` and write the index to ``out_dir``; return its manifest.
 
-    The manifest records the encoder by alias when one was given (so another machine resolves it to its own cached
-    copy) and always by checksum, which is what loading compares.
+    The manifest records the encoder's source (an alias resolves to each machine's own cached copy) and its checksum,
+    which is what loading compares.
     """
     corpus_path = resolve_corpus(kb)
     chunks = read_chunks(corpus_path)
-    source = str(encoder) if isinstance(encoder, str) and encoder in MINILM_NAMES else None
     if not isinstance(encoder, Encoder):
         encoder = load_encoder(encoder)
     started = time.perf_counter()
@@ -43,9 +44,45 @@ def build_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enco
     seconds = time.perf_counter() - started
     encoding = {"seconds": round(seconds, 2), "chunks_per_s": round(len(chunks) / seconds, 2),
                 "batch_size": batch_size, "device": encoder.device, "threads": _torch_threads()}
-    return write_index(out_dir, chunks, vectors, encoder_identity={**encoder.identity, "source": source or str(encoder.path)},
+    return write_index(out_dir, chunks, vectors, encoder_identity=encoder.identity,
                        corpus={"source": str(corpus_path), "sha256": sha256_file(corpus_path)},
                        config=config or IndexConfig(), shards=shards, extra={"encoding": encoding}, progress=progress)
+
+
+def ensure_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Encoder | str = "minilm",
+                 config: IndexConfig | None = None, shards: int = 1, batch_size: int = 64,
+                 progress: bool = False) -> dict:
+    """The manifest of the index in ``out_dir``, (re)building it first unless it was built from this corpus, with this
+    encoder, index settings and shard count. Safe to call from several processes at once (a file lock)."""
+    config = config or IndexConfig()
+    if not isinstance(encoder, Encoder):
+        encoder = load_encoder(encoder)
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(out.with_name(f".{out.name}.lock")):
+        try:
+            manifest = read_manifest(out)
+        except FileNotFoundError:
+            manifest = None
+        current = manifest is not None and (
+            manifest["encoder"]["checksum"] == encoder.checksum
+            and manifest["corpus"]["sha256"] == sha256_file(resolve_corpus(kb))
+            and manifest["index"] == config.model_dump()
+            and len(manifest.get("shards", [None])) == shards
+        )
+        if not current:
+            manifest = build_index(kb, out, encoder, config, shards=shards, batch_size=batch_size, progress=progress)
+    return manifest
+
+
+@contextmanager
+def _locked(path: Path):
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _torch_threads() -> int:

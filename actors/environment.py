@@ -100,8 +100,8 @@ class EpisodeRunner:
 
         def submit(ep: Episode) -> None:
             budget = g.max_response_tokens - len(ep.response_ids)
-            params = SamplingParams(**{**sampling, "max_tokens": min(sampling["max_tokens"], budget)},
-                                    stop=sorted(set(sampling.get("stop", [])) | set(g.stops())),
+            params = SamplingParams(**{**sampling, "max_tokens": min(sampling["max_tokens"], budget),
+                                       "stop": sorted(set(sampling.get("stop") or []) | set(g.stops()))},
                                     seed=turn_seed(ep.seed, len(ep.turns)), logprobs=0,
                                     include_stop_str_in_output=True, skip_special_tokens=False)
             request_id = f"ep{self._next_id}"
@@ -151,7 +151,9 @@ class EpisodeRunner:
                             asking.append(ep)
             if asking:  # every query this step produced goes to the retriever as one batch
                 stats["env_calls"] += len(asking)
-                ref = self.retriever.search.remote([ep.turns[-1]["query"] for ep in asking], g.top_k)
+                queries = [ep.turns[-1]["query"] for ep in asking]
+                search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
+                ref = search(queries, g.top_k) if search else self.retriever.search.remote(queries, g.top_k)
                 waiting[ref] = (asking, time.perf_counter())
             if waiting:
                 idle = not live

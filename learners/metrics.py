@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,16 +26,28 @@ class MetricsLogger:
             self.path.unlink()
         self.file = open(self.path, "a", buffering=1)
         self.tb = None
+        self.gauges: dict = {}
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step)
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
-        if self.tb:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self.tb.add_scalar(k, v, record["step"])
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
+        for k, v in scalars.items():
+            if self.tb:
+                self.tb.add_scalar(k, v, record["step"])
+            self._gauge(k).set(v)
+
+    def _gauge(self, key: str):
+        """A Ray metric per scalar (medray_reward_mean, ...), so the dashboard's metrics view shows training
+        next to the actors and resources."""
+        if key not in self.gauges:
+            from ray.util.metrics import Gauge
+            name = "medray_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
+            self.gauges[key] = Gauge(name, description=f"medray training metric {key}")
+        return self.gauges[key]
 
     @contextmanager
     def progress(self, total: int, start: int):

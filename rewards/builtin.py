@@ -71,3 +71,14 @@ def answer_correct(traj: Trajectory) -> bool:
 def accuracy(trajectories: list[Trajectory]) -> dict[str, list[float]]:
     """1 if the <answer> names the gold option (multiple choice) or equals the gold answer text, else 0."""
     return {"accuracy": [float(answer_correct(t)) for t in trajectories]}
+
+
+@register_reward("valid_option")
+def valid_option(trajectories: list[Trajectory]) -> dict[str, list[float]]:
+    """1 if the <answer> of a multiple-choice task names one of its options (right or wrong), else 0: the
+    answer-format half of MCQ accuracy, so a policy learns to choose before it learns to choose well."""
+    scores = []
+    for traj in trajectories:
+        answer, options = extract_answer(traj.text), traj.task.get("options")
+        scores.append(float(bool(options) and answer is not None and extract_option(answer, options) is not None))
+    return {"valid_option": scores}

@@ -13,7 +13,7 @@ from typing import Callable
 REWARDS: dict[str, Callable] = {}
 # The modules whose rewards are registered on first use; the heavy ones import their models only when built.
 BUILTIN_MODULES = ("rewards.builtin", "rewards.text_similarity", "rewards.semantic", "rewards.adaptive",
-                   "rewards.formats", "rewards.tool_use")
+                   "rewards.formats", "rewards.tool_use", "rewards.query_semantic")
 
 
 def register_reward(name: str):

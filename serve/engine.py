@@ -23,6 +23,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has failed; the replica reports itself unhealthy so Serve replaces it."""
 
 
+class RequestRejectedError(ValueError):
+    """vLLM refused to take a request (its own input checks); the engine goes on."""
+
+
 class InProcessEngine:
     """vLLM's `LLMEngine` in this process, stepped by one daemon thread.
 
@@ -83,9 +87,15 @@ class InProcessEngine:
             try:
                 self.engine.add_request(request_id, *rest)
             except Exception as e:  # noqa: BLE001  a bad request fails alone; the engine goes on
-                self._deliver(request_id, e)
+                self._deliver(request_id, RequestRejectedError(str(e)))
 
     def _run(self) -> None:
+        import torch
+
+        # torch gives a new thread its OpenMP thread count lazily, at its first parallel op. vLLM-CPU's attention reads
+        # the count before that (building its metadata: Ray's OMP_NUM_THREADS=1) and after (in the kernel: the
+        # replica's count), and aborts on the mismatch. Asking torch initialises the count for this thread up front.
+        torch.get_num_threads()
         try:
             while True:
                 self._apply_commands()

@@ -3,6 +3,8 @@ next to Serve's own per-deployment numbers. Exported names get Ray's `ray_` pref
 `ray_medray_serve_requests_total`."""
 from __future__ import annotations
 
+from functools import cache
+
 LATENCY_BOUNDARIES_S = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120]
 
 
@@ -23,9 +25,16 @@ class ServeMetrics:
 
     def finished(self, mode: str, stream: bool, seconds: float, prompt_tokens: int, completion_tokens: int) -> None:
         self.latency.observe(seconds, tags={"mode": mode, "stream": str(stream).lower()})
-        self.tokens.inc(prompt_tokens, tags={"kind": "prompt", "mode": mode})
-        self.tokens.inc(completion_tokens, tags={"kind": "completion", "mode": mode})
+        for kind, count in (("prompt", prompt_tokens), ("completion", completion_tokens)):
+            if count:  # Ray counters take positive increments only
+                self.tokens.inc(count, tags={"kind": kind, "mode": mode})
 
     def agent_turns(self, turns: list[dict]) -> None:
         for turn in turns:
             self.retrievals.inc(1, tags={"outcome": "error" if turn["error"] else "ok"})
+
+
+@cache
+def serve_metrics() -> ServeMetrics:
+    """This process's metrics (created on first use, inside a replica that is connected to Ray)."""
+    return ServeMetrics()

@@ -284,3 +284,4 @@ def test_tag_format_partial_credit(text, score):
 def test_accuracy_extracts_the_option(answer, gold):
     t = answered(answer, answer="B", options={"A": "Gout", "B": "Marfan syndrome"})
     assert make_reward("accuracy", {})([t])["accuracy"] == [gold]
+    assert make_reward("valid_option", {})([t])["valid_option"] == [1.0]

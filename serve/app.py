@@ -1,0 +1,364 @@
+"""The medray model as a Ray Serve application: OpenAI-compatible chat over vLLM, plus agent mode.
+
+    MEDRAY_API_KEY=... serve run serve.app:app checkpoint=outputs/quickstart/checkpoints/latest
+    MEDRAY_API_KEY=... serve deploy configs/serve.yaml      # on a running cluster (see configs/serve*.yaml)
+
+Routes: GET /health (no key), GET /v1/models, POST /v1/chat/completions (streaming or not); every /v1 route wants
+`Authorization: Bearer <key>`. Arguments are `serve.config.ServeSettings` fields; nested ones as dotted keys
+(`engine.max_model_len=512`, `agent.index_dir=...`). Serve's HTTP proxy binds to 127.0.0.1 unless its
+`http_options.host` says otherwise, and the app never starts without an API key.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+from pathlib import Path
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.agent import run_agent
+from serve.config import ServeSettings, key_digest
+from serve.engine import RequestRejectedError, start_engine
+from serve.images import load_image
+from serve.metrics import serve_metrics
+from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, finish_reason, parse_request,
+                            usage, usage_chunk)
+
+log = logging.getLogger("medray.serve")
+
+ROUTES = ("/health", "/v1/models", "/v1/chat/completions")
+
+api = FastAPI(title="medray", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+@api.exception_handler(APIError)
+async def _api_error(request: Request, error: APIError) -> JSONResponse:
+    return error_response(error)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+    message = "no such route" if error.status_code == 404 else str(error.detail)
+    return error_response(APIError(error.status_code, message))
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+    return error_response(APIError(400, f"invalid request: {error.errors()[:3]}"))
+
+
+@api.exception_handler(RequestRejectedError)
+async def _rejected(request: Request, error: RequestRejectedError) -> JSONResponse:
+    return error_response(APIError(400, f"the engine refused the request: {error}"))
+
+
+@api.exception_handler(Exception)
+async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
+    log.exception("%s %s failed", request.method, request.url.path)
+    return error_response(APIError(500, f"internal error ({type(error).__name__}); the server is still up"))
+
+
+@api.middleware("http")
+async def _count_requests(request: Request, call_next):
+    route = request.url.path if request.url.path in ROUTES else "other"
+    try:
+        response = await call_next(request)
+    except Exception:
+        serve_metrics().request(route, 500)
+        raise
+    serve_metrics().request(route, response.status_code)
+    return response
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it (or its declared length) passes `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    return bytes(body)
+
+
+def sse(event: dict | str) -> str:
+    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
+
+
+@serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.5}, health_check_period_s=30)
+class RetrieverServer:
+    """`actors.retriever` over one index (a sharded one through one actor per shard) as a Serve deployment, so it
+    scales and restarts with the app."""
+
+    def __init__(self, index_dir: str, retrieval: dict, threads: int = 1):
+        from actors.retrieval_index import read_manifest
+        from actors.retriever import LocalRetriever, ShardedRetriever
+        from cluster.devices import pin_threads
+
+        pin_threads(threads)
+        sharded = "shards" in read_manifest(index_dir)
+        self.retriever = (ShardedRetriever(index_dir, threads=threads, config=retrieval) if sharded
+                          else LocalRetriever(index_dir, config=retrieval))
+
+    def search(self, queries: list[str], top_k: int) -> list[list[dict]]:
+        return self.retriever.search(queries, top_k)
+
+
+@serve.deployment(name="ChatServer", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
+                  health_check_period_s=10, health_check_timeout_s=60)
+@serve.ingress(api)
+class ChatServer:
+    """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever is bound."""
+
+    def __init__(self, settings: dict, api_key_digest: bytes, retriever: DeploymentHandle | None = None):
+        from transformers import AutoTokenizer
+
+        self.settings = ServeSettings.model_validate(settings)
+        self.limits = self.settings.limits
+        self.key_digest = api_key_digest
+        self.retriever = retriever
+        self.device = "cuda" if ray.get_gpu_ids() else "cpu"
+        num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+        self.engine = start_engine(self.settings.checkpoint, self.settings.engine, self.device, num_cpus)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.checkpoint)
+        config = json.loads((Path(self.settings.checkpoint) / "config.json").read_text())
+        self.multimodal = "vision_config" in config
+        self.max_prompt_tokens = self.limits.max_prompt_tokens or self.settings.engine.max_model_len - 1
+        self.metrics = serve_metrics()
+        log.info("serving %s as %r on %s", self.settings.checkpoint, self.settings.model_name, self.device)
+
+    async def check_health(self) -> None:
+        """Serve calls this periodically; a failure makes it replace the replica."""
+        await self.engine.check_health()
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        await self.engine.check_health()
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self.authenticate(request)
+        ids = [self.settings.model_name] + ([self.settings.agent_model_name] if self.retriever else [])
+        return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": "medray"}
+                                           for i in ids]}
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        started = time.perf_counter()
+        self.authenticate(request)
+        body = await read_body(request, self.limits.max_body_bytes)
+        try:
+            payload = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}") from None
+        req = parse_request(payload)
+        agent = self.agent_requested(req)
+        prompt_ids = self.prompt_ids(req)
+        max_tokens = self.max_tokens(req, len(prompt_ids))
+        cid = completion_id()
+        if agent:
+            return await self.agent_completion(req, cid, prompt_ids, max_tokens, started)
+        params = self.sampling(req, max_tokens, delta=req.stream)
+        if req.stream:
+            return StreamingResponse(self.stream(req, cid, prompt_ids, params, started),
+                                     media_type="text/event-stream")
+        text, n_tokens, reason = "", 0, None
+        async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, cid):
+            seq = output.outputs[0]
+            text, n_tokens, reason = seq.text, len(seq.token_ids), seq.finish_reason
+        self.metrics.finished("chat", False, time.perf_counter() - started, len(prompt_ids), n_tokens)
+        return completion(cid, req.model, text, finish_reason(reason), usage(len(prompt_ids), n_tokens))
+
+    def authenticate(self, request: Request) -> None:
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not key:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not hmac.compare_digest(key_digest(key.strip()), self.key_digest):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    def agent_requested(self, req: ChatRequest) -> bool:
+        """Agent mode is the `<name>-agent` model or an `agent` field; any other model id is a 404."""
+        name = self.settings.model_name
+        if req.model not in (name, self.settings.agent_model_name):
+            raise APIError(404, f"model {req.model!r} does not exist; this server has {name!r} and "
+                                f"{self.settings.agent_model_name!r}", param="model", code="model_not_found")
+        agent = req.model == self.settings.agent_model_name or req.agent is not None
+        if agent and self.retriever is None:
+            raise APIError(400, "agent mode needs a retriever: start the app with agent.index_dir=<index>",
+                           param="model")
+        return agent
+
+    def prompt_ids(self, req: ChatRequest) -> list[int]:
+        """The chat template applied to the messages, after every image part has been checked."""
+        if len(req.messages) > self.limits.max_messages:
+            raise APIError(400, f"more than {self.limits.max_messages} messages", param="messages")
+        if req.continue_final_message and req.messages[-1].role != "assistant":
+            raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
+        messages, n_images = [], 0
+        for i, message in enumerate(req.messages):
+            if isinstance(message.content, str):
+                messages.append({"role": message.role, "content": message.content})
+                continue
+            parts = []
+            for j, part in enumerate(message.content):
+                param = f"messages[{i}].content[{j}]"
+                if part.type == "text":
+                    parts.append({"type": "text", "text": part.text or ""})
+                    continue
+                n_images += 1
+                if part.image_url is None:
+                    raise APIError(400, "image_url part without an image_url", param=param)
+                if n_images > self.limits.max_images:
+                    raise APIError(400, f"more than {self.limits.max_images} images", param=param)
+                load_image(part.image_url.url, self.limits, param)
+                parts.append({"type": "image"})
+            messages.append({"role": message.role, "content": parts})
+        if n_images:
+            raise APIError(400, (f"model {req.model!r} is text-only and cannot take image inputs" if not self.multimodal
+                                 else "image inputs to multimodal checkpoints are not served yet"), param="messages")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not req.continue_final_message,
+                                                 continue_final_message=req.continue_final_message, tokenize=True,
+                                                 return_dict=False)
+        if len(ids) > self.max_prompt_tokens:
+            raise APIError(400, f"prompt has {len(ids)} tokens, more than the limit of {self.max_prompt_tokens}",
+                           param="messages", code="context_length_exceeded")
+        return ids
+
+    def max_tokens(self, req: ChatRequest, n_prompt: int) -> int:
+        room = self.settings.engine.max_model_len - n_prompt
+        asked = req.requested_max_tokens
+        if asked is None:
+            return min(self.limits.max_tokens, room)
+        if asked > self.limits.max_tokens:
+            raise APIError(400, f"max_tokens {asked} is above this server's limit of {self.limits.max_tokens}",
+                           param="max_tokens")
+        if asked > room:
+            raise APIError(400, f"prompt ({n_prompt} tokens) plus max_tokens ({asked}) exceeds the context of "
+                                f"{self.settings.engine.max_model_len} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        return asked
+
+    def sampling(self, req: ChatRequest, max_tokens: int, *, delta: bool, stop: list[str] | None = None,
+                 seed: int | None = None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  seed=req.seed if seed is None else seed, stop=stop or req.stop_list,
+                                  logit_bias=self.logit_bias(req), presence_penalty=req.presence_penalty,
+                                  frequency_penalty=req.frequency_penalty, include_stop_str_in_output=stop is not None,
+                                  skip_special_tokens=True,
+                                  output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
+        except ValueError as e:  # vLLM's own checks (e.g. a logit_bias token outside the vocabulary)
+            raise APIError(400, f"invalid sampling parameters: {e}") from None
+
+    def logit_bias(self, req: ChatRequest) -> dict[int, float] | None:
+        """OpenAI's {"<token id>": bias} with ids checked against the vocabulary."""
+        if not req.logit_bias:
+            return None
+        vocab = len(self.tokenizer)
+        bias = {int(k): v for k, v in req.logit_bias.items() if k.isdigit()}
+        if len(bias) < len(req.logit_bias) or any(k >= vocab for k in bias):
+            raise APIError(400, f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
+        return bias
+
+    async def stream(self, req: ChatRequest, cid: str, prompt_ids: list[int], params, started: float):
+        """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
+        model, n_tokens = req.model, 0
+        yield sse(chunk(cid, model, {"role": "assistant", "content": ""}))
+        try:
+            async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, cid):
+                seq = output.outputs[0]
+                n_tokens += len(seq.token_ids)
+                if seq.text:
+                    yield sse(chunk(cid, model, {"content": seq.text}))
+                if output.finished:
+                    yield sse(chunk(cid, model, {}, finish_reason(seq.finish_reason)))
+        except Exception as e:  # noqa: BLE001  headers are sent: the error travels as an event
+            log.exception("stream %s failed", cid)
+            yield sse(APIError(500, f"generation failed: {type(e).__name__}").body())
+        if req.stream_options and req.stream_options.include_usage:
+            yield sse(usage_chunk(cid, model, usage(len(prompt_ids), n_tokens)))
+        yield sse("[DONE]")
+        self.metrics.finished("chat", True, time.perf_counter() - started, len(prompt_ids), n_tokens)
+
+    async def agent_completion(self, req: ChatRequest, cid: str, prompt_ids: list[int], max_tokens: int,
+                               started: float):
+        """Run the retrieval loop to the end, then answer (as one completion, or as a short event stream)."""
+        options = req.agent or AgentOptions()
+        grammar = self.settings.agent.grammar.model_copy(update={
+            k: v for k, v in {"max_turns": options.max_turns, "top_k": options.top_k}.items() if v is not None})
+        turn = 0
+
+        async def generate(ids: list[int], budget: int, stops: list[str], seed: int | None):
+            nonlocal turn
+            turn += 1
+            seq = None
+            async for output in self.engine.generate({"prompt_token_ids": ids},
+                                                     self.sampling(req, budget, delta=False, stop=stops, seed=seed),
+                                                     f"{cid}-{turn}"):
+                seq = output.outputs[0]
+            stopped_by = seq.stop_reason if isinstance(seq.stop_reason, str) else None
+            return seq.text, list(seq.token_ids), stopped_by
+
+        async def search(queries: list[str], top_k: int) -> list[list[dict]]:
+            return await self.retriever.search.remote(queries, top_k)
+
+        prefix = req.messages[-1].content if req.continue_final_message else ""
+        result = await run_agent(generate, search, self.tokenizer, grammar, prompt_ids,
+                                 prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
+                                 max_model_len=self.settings.engine.max_model_len, stop=req.stop_list,
+                                 seed=req.seed, timeout_s=self.settings.agent.retrieval_timeout_s)
+        self.metrics.agent_turns(result.turns)
+        self.metrics.finished("agent", req.stream, time.perf_counter() - started, len(prompt_ids),
+                              result.completion_tokens)
+        reason = "stop" if result.answer is not None else "length"
+        extra = {"trace": result.trace()} if options.trace else {}
+        token_usage = usage(len(prompt_ids), result.completion_tokens)
+        if not req.stream:
+            return completion(cid, req.model, result.answer or "", reason, token_usage, **extra)
+        events = [chunk(cid, req.model, {"role": "assistant", "content": result.answer or ""}),
+                  chunk(cid, req.model, {}, reason, **extra)]
+        if req.stream_options and req.stream_options.include_usage:
+            events.append(usage_chunk(cid, req.model, token_usage))
+        return StreamingResponse(iter([sse(e) for e in events] + [sse("[DONE]")]), media_type="text/event-stream")
+
+
+def app(args: dict) -> serve.Application:
+    """The app builder `serve run serve.app:app key=value ...` and Serve config files call. Refuses to build without
+    an API key or without a checkpoint directory."""
+    settings = ServeSettings.model_validate(nest_dotted(args))
+    digest = settings.api_key_digest()
+    settings = settings.resolved()
+    retriever = (RetrieverServer.bind(settings.agent.index_dir, settings.agent.retrieval)
+                 if settings.agent.index_dir else None)
+    return ChatServer.bind(settings.model_dump(), digest, retriever)
+
+
+def nest_dotted(args: dict) -> dict:
+    """{'engine.max_model_len': '512'} -> {'engine': {'max_model_len': '512'}}: CLI arguments reach nested settings."""
+    nested: dict = {}
+    for key, value in args.items():
+        *parents, leaf = key.split(".")
+        target = nested
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    return nested
