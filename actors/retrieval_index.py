@@ -104,7 +104,8 @@ def build_dense_index(vectors: np.ndarray, config: IndexConfig):
         if dim % config.pq_m or n < 2**config.pq_bits:
             raise ValueError(f"ivfpq needs pq_m ({config.pq_m}) to divide dim ({dim}) and >= {2**config.pq_bits} "
                              f"vectors (have {n}); use kind='flat' for a corpus this small")
-        spec = f"IVF{nlist},PQ{config.pq_m}x{config.pq_bits}" + (",RFlat" if config.refine_factor else "")
+        # "np": no polysemous training (it only serves Hamming pre-filtering, unused here, and takes minutes).
+        spec = f"IVF{nlist},PQ{config.pq_m}x{config.pq_bits}np" + (",RFlat" if config.refine_factor else "")
         index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
         sample = vectors[np.random.default_rng(0).choice(n, size=min(n, 256 * nlist), replace=False)]
         index.train(sample)

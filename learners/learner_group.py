@@ -169,14 +169,17 @@ class LearnerWorker:
             else:
                 yield name, param.detach()
 
+    def help_gather(self) -> None:
+        """What ranks other than 0 do while rank 0 reads the weights: take part in ZeRO-3's gathers."""
+        for _ in self.named_weights():
+            pass
+
     def publish_weights(self, version: int, bucket_mb: float):
-        """Rank 0 puts the weights into the object store and returns the manifest; other ranks help gather."""
+        """Rank 0 puts the weights into the object store and returns (manifest, seconds)."""
         from cluster.weight_sync import WeightPublisher
-        start = time.perf_counter()
         if self.rank != 0:
-            for _ in self.named_weights():
-                pass
-            return None
+            return self.help_gather()
+        start = time.perf_counter()
         if not hasattr(self, "publisher"):
             self.publisher = WeightPublisher(bucket_mb)
         manifest = self.publisher.publish(self.named_weights(), version)
@@ -193,12 +196,13 @@ class LearnerWorker:
                 out.append(algo.token_logprobs(logits, ids[:, 1:]).squeeze(0).tolist())
         return out
 
-    def save(self, checkpoint_dir: str, hf_dir: str | None) -> None:
-        """DeepSpeed state (weights, optimizer, scheduler) on every rank; rank 0 also writes the HF model."""
+    def save(self, checkpoint_dir: str) -> None:
+        """DeepSpeed state (weights, optimizer, scheduler) on every rank; rank 0 also writes the HF model there."""
         self.engine.save_checkpoint(checkpoint_dir, tag="deepspeed", save_latest=False)
-        weights = {n: t.cpu() for n, t in self.named_weights()}
-        if self.rank == 0 and hf_dir:
-            self.engine.module.save_pretrained(hf_dir, state_dict=weights, safe_serialization=True)
+        if self.rank != 0:
+            return self.help_gather()
+        weights = {name: tensor.cpu() for name, tensor in self.named_weights()}
+        self.engine.module.save_pretrained(checkpoint_dir, state_dict=weights, safe_serialization=True)
 
     def load(self, checkpoint_dir: str) -> None:
         path, _ = self.engine.load_checkpoint(checkpoint_dir, tag="deepspeed", load_optimizer_states=True,
@@ -243,7 +247,7 @@ class LearnerGroup:
         return ray.get([r.sequence_logprobs.remote(sequences) for r in self.ranks])[0]
 
     def save(self, checkpoint_dir) -> None:
-        ray.get([r.save.remote(str(checkpoint_dir), str(checkpoint_dir)) for r in self.ranks])
+        ray.get([r.save.remote(str(checkpoint_dir)) for r in self.ranks])
 
     def shutdown(self) -> None:
         ray.get([r.shutdown.remote() for r in self.ranks])

