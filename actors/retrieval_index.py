@@ -48,7 +48,7 @@ class IndexConfig(BaseModel):
     pq_bits: int = Field(8, ge=4, le=12)
     nprobe: int = Field(32, ge=1, description="IVF lists visited per query")
     refine_factor: int = Field(4, ge=0, description="IVF-PQ: re-rank k*factor candidates on exact vectors; 0 = off")
-    gpu: bool = Field(True, description="move flat / IVF-PQ indexes to the GPUs when faiss-gpu sees any")
+    gpu: bool = Field(True, description="move flat and unrefined IVF-PQ indexes to the GPUs faiss-gpu sees")
 
 
 class IndexMismatchError(ValueError):
@@ -114,25 +114,25 @@ def build_dense_index(vectors: np.ndarray, config: IndexConfig):
 
 
 def prepare_for_search(index, config: IndexConfig):
-    """Set query-time parameters and, when faiss-gpu sees GPUs, move a flat / IVF-PQ index onto them.
+    """Set query-time parameters and, when faiss-gpu sees GPUs, move the index onto them where FAISS can.
 
-    HNSW has no FAISS GPU implementation and stays on the CPU. The GPU path is not exercised by medray's tests (they
-    run on faiss-cpu); an index FAISS cannot clone to the GPU (e.g. IVF-PQ wrapped in a refine stage) stays on the CPU.
+    FAISS has GPU versions of flat and IVF-PQ indexes, not of HNSW nor of the exact re-ranking stage, so only flat
+    and IVF-PQ with ``refine_factor=0`` move. This GPU path is chosen by ``faiss.get_num_gpus()`` and is not exercised
+    by medray's tests, which run on faiss-cpu.
     """
     import faiss
 
-    params = {"hnsw": {"efSearch": config.ef_search},
-              "ivfpq": {"nprobe": config.nprobe, **({"k_factor_rf": config.refine_factor} if config.refine_factor else {})}}
-    if config.gpu and config.kind != "hnsw" and faiss.get_num_gpus() > 0:
-        try:
-            index = faiss.index_cpu_to_all_gpus(index)
-            space = faiss.GpuParameterSpace()
-        except (RuntimeError, AttributeError):
-            space = faiss.ParameterSpace()
-    else:
-        space = faiss.ParameterSpace()
-    for name, value in params.get(config.kind, {}).items():
-        space.set_index_parameter(index, name, value)
+    on_gpu = config.gpu and faiss.get_num_gpus() > 0 and (
+        config.kind == "flat" or (config.kind == "ivfpq" and not config.refine_factor))
+    if on_gpu:
+        index = faiss.index_cpu_to_all_gpus(index)
+    space = faiss.GpuParameterSpace() if on_gpu else faiss.ParameterSpace()
+    if config.kind == "hnsw":
+        space.set_index_parameter(index, "efSearch", config.ef_search)
+    elif config.kind == "ivfpq":
+        space.set_index_parameter(index, "nprobe", config.nprobe)
+        if config.refine_factor:
+            space.set_index_parameter(index, "k_factor_rf", config.refine_factor)
     return index
 
 
@@ -161,8 +161,8 @@ def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndar
     """Persist ``chunks`` and their ``vectors`` as an index (``shards`` > 1: one sub-directory per contiguous slice).
 
     ``corpus`` is {"source", "sha256"} of the chunks file the vectors came from; ``extra`` goes into the top-level
-    manifest as is (e.g. encoding throughput). Written into a temporary sibling and
-    renamed, so a half-written index is never found. Returns the top-level manifest.
+    manifest as is (e.g. encoding throughput). Written into a temporary sibling and renamed, so a half-written index
+    is never found. Returns the top-level manifest.
     """
     if len(chunks) != len(vectors) or not len(chunks):
         raise ValueError(f"need one vector per chunk and at least one chunk (have {len(chunks)} chunks, "
@@ -176,18 +176,22 @@ def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndar
     tmp.mkdir()
     common = {"format": INDEX_FORMAT, "encoder": encoder_identity, "corpus": {**corpus, "chunks": len(chunks)},
               "index": config.model_dump()}
-    if shards == 1:
-        manifest = _write_shard(tmp, chunks, vectors, {**common, **(extra or {})}, config, progress)
-    else:
-        names = []
-        bounds = np.linspace(0, len(chunks), shards + 1).astype(int)
-        for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
-            names.append(f"shard-{i:05d}-of-{shards:05d}")
-            (tmp / names[-1]).mkdir()
-            _write_shard(tmp / names[-1], chunks[start:stop], vectors[start:stop],
-                         {**common, "shard": {"index": i, "count": shards, "start": int(start)}}, config, progress)
-        manifest = {**common, "shards": names, **(extra or {})}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    try:
+        if shards == 1:
+            manifest = _write_shard(tmp, chunks, vectors, {**common, **(extra or {})}, config, progress)
+        else:
+            names = []
+            bounds = np.linspace(0, len(chunks), shards + 1).astype(int)
+            for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+                names.append(f"shard-{i:05d}-of-{shards:05d}")
+                (tmp / names[-1]).mkdir()
+                _write_shard(tmp / names[-1], chunks[start:stop], vectors[start:stop],
+                             {**common, "shard": {"index": i, "count": shards, "start": int(start)}}, config, progress)
+            manifest = {**common, "shards": names, **(extra or {})}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return manifest

@@ -34,23 +34,23 @@ class Placement:
             ray.util.remove_placement_group(group)
 
 
-def check_fits(cfg: ClusterConfig, available: dict) -> None:
+def check_fits(cfg: ClusterConfig, available: dict, roles: tuple[str, ...] = ROLES) -> None:
     """Fail early, naming the fields, when the layout asks for more than the cluster has."""
     for key in ("CPU", "GPU"):
         field = f"num_{key.lower()}s"
-        per_actor = {r: getattr(getattr(cfg, r), field) for r in ROLES}
-        need = {r: getattr(cfg, r).num * per_actor[r] for r in ROLES}
+        per_actor = {r: getattr(getattr(cfg, r), field) for r in roles}
+        need = {r: getattr(cfg, r).num * per_actor[r] for r in roles}
         if sum(need.values()) > available.get(key, 0) + 1e-9:
             detail = ", ".join(f"cluster.{r}: {getattr(cfg, r).num} x {per_actor[r]:g}" for r, v in need.items() if v)
             raise PlacementError(f"the layout needs {sum(need.values()):g} {key} ({detail}) but the cluster has "
                                  f"{available.get(key, 0):g}; lower cluster.<role>.num_{key.lower()}s or .num")
 
 
-def place(cfg: ClusterConfig, timeout_s: float = 120.0) -> Placement:
+def place(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES, timeout_s: float = 120.0) -> Placement:
     """Reserve every role's bundles up front, so a run never starts half-placed."""
-    check_fits(cfg, ray.cluster_resources())
+    check_fits(cfg, ray.cluster_resources(), roles)
     groups, resources = {}, {}
-    for role in ROLES:
+    for role in roles:
         res: ActorResources = getattr(cfg, role)
         bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
         groups[role] = placement_group([bundle] * res.num, strategy=cfg.placement_strategy, name=f"medray-{role}")

@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 stamp=.venv/.medray-installed
-want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml scripts/setup.sh cluster/torchvision_shim.py | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup: .venv is up to date"; exit 0
 fi
