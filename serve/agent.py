@@ -46,14 +46,15 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
                    max_model_len - len(ids))
         if room <= 0:
             return AgentResult(None, "budget", transcript, written, turns)
-        text, new_ids, stopped_by = await generate(ids, room, stops, None if seed is None else turn_seed(seed, len(turns)))
+        turn_sampling_seed = None if seed is None else turn_seed(seed, len(turns))
+        text, new_ids, stopped_by = await generate(ids, room, stops, turn_sampling_seed)
         ids += new_ids
         transcript += text
         segment += text
         written += len(new_ids)
         if stopped_by == f"</{grammar.answer_tag}>":
             return AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns)
-        if stopped_by is None or stopped_by != grammar.action_close:
+        if stopped_by != grammar.action_close:
             return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
         if len(turns) >= grammar.max_turns:
             return AgentResult(None, "turn_limit", transcript, written, turns)

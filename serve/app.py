@@ -11,6 +11,7 @@ Routes: GET /health (no key), GET /v1/models, POST /v1/chat/completions (streami
 from __future__ import annotations
 
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -29,8 +30,8 @@ from serve.config import ServeSettings, key_digest
 from serve.engine import RequestRejectedError, start_engine
 from serve.images import load_image
 from serve.metrics import serve_metrics
-from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, finish_reason, parse_request,
-                            usage, usage_chunk)
+from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, finish_reason,
+                            parse_request, usage, usage_chunk)
 
 log = logging.getLogger("medray.serve")
 
@@ -71,16 +72,31 @@ async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
     return error_response(APIError(500, f"internal error ({type(error).__name__}); the server is still up"))
 
 
-@api.middleware("http")
-async def _count_requests(request: Request, call_next):
-    route = request.url.path if request.url.path in ROUTES else "other"
-    try:
-        response = await call_next(request)
-    except Exception:
-        serve_metrics().request(route, 500)
-        raise
-    serve_metrics().request(route, response.status_code)
-    return response
+class CountRequests:
+    """Counts responses by route and status. A plain ASGI middleware: Starlette's `@app.middleware` re-wraps every
+    response in memory streams, a cost per request that shows when the replica shares its cores with the engine."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                serve_metrics().request(route, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            serve_metrics().request(route, 500)
+            raise
+
+
+api.add_middleware(CountRequests)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -105,11 +121,12 @@ class RetrieverServer:
     """`actors.retriever` over one index (a sharded one through one actor per shard) as a Serve deployment, so it
     scales and restarts with the app."""
 
-    def __init__(self, index_dir: str, retrieval: dict, threads: int = 1):
+    def __init__(self, index_dir: str, retrieval: dict):
         from actors.retrieval_index import read_manifest
         from actors.retriever import LocalRetriever, ShardedRetriever
         from cluster.devices import pin_threads
 
+        threads = max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)))
         pin_threads(threads)
         sharded = "shards" in read_manifest(index_dir)
         self.retriever = (ShardedRetriever(index_dir, threads=threads, config=retrieval) if sharded
@@ -227,9 +244,8 @@ class ChatServer:
                 if n_images > self.limits.max_images:
                     raise APIError(400, f"more than {self.limits.max_images} images", param=param)
                 load_image(part.image_url.url, self.limits, param)
-                parts.append({"type": "image"})
             messages.append({"role": message.role, "content": parts})
-        if n_images:
+        if n_images:  # checked first, so a bad image is reported as such whatever the model
             raise APIError(400, (f"model {req.model!r} is text-only and cannot take image inputs" if not self.multimodal
                                  else "image inputs to multimodal checkpoints are not served yet"), param="messages")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not req.continue_final_message,
@@ -254,16 +270,19 @@ class ChatServer:
                            code="context_length_exceeded")
         return asked
 
-    def sampling(self, req: ChatRequest, max_tokens: int, *, delta: bool, stop: list[str] | None = None,
+    def sampling(self, req: ChatRequest, max_tokens: int, *, delta: bool, agent_stops: list[str] | None = None,
                  seed: int | None = None):
+        """vLLM's sampling parameters for `req`. Agent turns stop at the grammar's tags and keep them in the text (the
+        loop reads them); a client's own stop strings are cut, as OpenAI does."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  seed=req.seed if seed is None else seed, stop=stop or req.stop_list,
+                                  seed=req.seed if seed is None else seed, stop=agent_stops or req.stop_list,
                                   logit_bias=self.logit_bias(req), presence_penalty=req.presence_penalty,
-                                  frequency_penalty=req.frequency_penalty, include_stop_str_in_output=stop is not None,
+                                  frequency_penalty=req.frequency_penalty,
+                                  include_stop_str_in_output=agent_stops is not None,
                                   skip_special_tokens=True,
                                   output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:  # vLLM's own checks (e.g. a logit_bias token outside the vocabulary)
@@ -305,15 +324,11 @@ class ChatServer:
         options = req.agent or AgentOptions()
         grammar = self.settings.agent.grammar.model_copy(update={
             k: v for k, v in {"max_turns": options.max_turns, "top_k": options.top_k}.items() if v is not None})
-        turn = 0
+        turn_ids = itertools.count()
 
         async def generate(ids: list[int], budget: int, stops: list[str], seed: int | None):
-            nonlocal turn
-            turn += 1
-            seq = None
-            async for output in self.engine.generate({"prompt_token_ids": ids},
-                                                     self.sampling(req, budget, delta=False, stop=stops, seed=seed),
-                                                     f"{cid}-{turn}"):
+            params = self.sampling(req, budget, delta=False, agent_stops=stops, seed=seed)
+            async for output in self.engine.generate({"prompt_token_ids": ids}, params, f"{cid}-{next(turn_ids)}"):
                 seq = output.outputs[0]
             stopped_by = seq.stop_reason if isinstance(seq.stop_reason, str) else None
             return seq.text, list(seq.token_ids), stopped_by

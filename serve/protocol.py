@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+StopString = Annotated[str, Field(min_length=1, max_length=200)]
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 503: "service_unavailable", 500: "internal_error"}
@@ -66,9 +68,9 @@ class ChatRequest(Lenient):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     n: Literal[1] = 1
-    stop: str | list[str] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=8)] | None = None
     seed: int | None = Field(None, ge=0, lt=2**31)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]], Field(max_length=300)] | None = None
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     continue_final_message: bool = Field(False, description="vLLM's extension: continue the last (assistant) "

@@ -90,6 +90,13 @@ def read_tasks(path: str | Path) -> list[Task]:
     return tasks
 
 
+def resolve_image_paths(task: Task, base_dir: str | Path) -> Task:
+    """The task with relative image paths made absolute against ``base_dir`` (the task file's directory)."""
+    base = Path(base_dir)
+    images = [p if Path(p).is_absolute() else str((base / p).resolve()) for p in task.images]
+    return task.model_copy(update={"images": images})
+
+
 def write_tasks(path: str | Path, tasks: Iterable[Task]) -> int:
     """Write tasks as JSONL (one compact object a line, keys in schema order); return how many were written."""
     n = 0

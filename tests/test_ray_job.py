@@ -130,9 +130,10 @@ def test_job_submit_runs_the_quickstart_on_a_loopback_head(tmp_path):
         started = time.perf_counter()
         job_id = f"quickstart-{secrets.token_hex(4)}"
         job = subprocess.run(
-            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--submission-id", job_id, "--working-dir", ".", "--",
-             "python", "learners/run.py", "--config", "configs/quickstart.yaml", "total_steps=2",
-             "rollout.prompts_per_step=4", "rollout.group_size=4", "logging.progress_bar=false", f"output_dir={out}"],
+            [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--submission-id", job_id,
+             "--working-dir", ".", "--", "python", "learners/run.py", "--config", "configs/quickstart.yaml",
+             "total_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "logging.progress_bar=false",
+             f"output_dir={out}"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=540)
         print(f"job finished in {time.perf_counter() - started:.0f}s")
         assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]

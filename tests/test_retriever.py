@@ -3,8 +3,8 @@
 The index covers a slice of the knowledge base: for the first 40 held-out test MCQ tasks, the answer disease's
 document, the three distractor diseases' documents (hard negatives: they share phenotypes) and the HPO term document of
 every phenotype in the question (~360 chunks). A query is the question's phenotype names, as a policy would search.
-Encoding that slice takes ~30-60 s on 2 CPU threads, so the index is cached under ``$MEDRAY_CACHE/test_indexes`` and
-rebuilt only when the corpus, the encoder or the index settings change (what ``ensure_index`` checks).
+Encoding that slice takes 1-2 min on 2 busy CPU threads, so the index is cached under ``$MEDRAY_CACHE/test_indexes``
+and rebuilt only when the corpus, the encoder or the index settings change (what ``ensure_index`` checks).
 """
 
 import json
@@ -189,6 +189,7 @@ def test_build_command_writes_a_loadable_index(subset_kb, encoder, tmp_path):
     assert hits[0][0]["id"] == first["id"]
 
 
+@pytest.mark.slow
 def test_sharded_actors_answer_a_batch_and_survive_a_crash(ray_session, index_dir, sharded_dir, encoder, queries):
     """One Retriever actor per shard (the local Ray of conftest's ray_session); a killed shard is restarted by Ray."""
     config = {"mode": "dense", "top_k": 5}

@@ -16,7 +16,8 @@ from rewards.adaptive import Adapt, ArmedSemantic, calibrate, next_threshold
 from rewards.formats import med_r3_format, med_rwr_format, med_rwr_format_score, medvista_format, medvista_format_ok
 from rewards.nci import group_nci, nci
 from rewards.registry import make_reward
-from rewards.semantic import BertScoreF1, default_model_dir, load_bertscore, load_encoder, medvr_open_score
+from actors.encoders import minilm_path
+from rewards.semantic import BertScoreF1, load_bertscore, load_encoder, medvr_open_score
 from rewards.text_similarity import armed_textual, bleu1, rouge1, score_against_gold, textual_correctness
 from rewards.tool_use import consensus_tool_rewards, medvista_tool, medvr_tool, rasterise, zoom_boxes
 
@@ -96,7 +97,7 @@ def test_cos_sim_matches_sentence_transformers(encoder):
 
 def test_bertscore_equals_bert_score_called_directly(bertscore):
     from bert_score import BERTScorer
-    direct = BERTScorer(model_type=str(default_model_dir()), num_layers=6, device="cpu")
+    direct = BERTScorer(model_type=str(minilm_path()), num_layers=6, device="cpu")
     hyps, refs = [HYP, "no abnormality is seen", REF], [REF, REF, REF]
     assert bertscore.f1(hyps, refs) == pytest.approx(direct.score(hyps, refs)[2].tolist(), abs=1e-6)
     assert bertscore.f1([REF], [REF])[0] == pytest.approx(1.0, abs=1e-5)
@@ -108,7 +109,7 @@ def test_bertscore_equals_bert_score_called_directly(bertscore):
 def test_bertscore_rescales_with_a_baseline_file(tmp_path, bertscore):
     baseline = tmp_path / "baseline.tsv"
     baseline.write_text("LAYER,P,R,F\n" + "".join(f"{layer},0.1,0.2,0.4\n" for layer in range(7)))
-    rescaled = BertScoreF1(str(default_model_dir()), 6, str(baseline), device="cpu")
+    rescaled = BertScoreF1(str(minilm_path()), 6, str(baseline), device="cpu")
     raw = bertscore.f1([HYP], [REF])[0]
     assert rescaled.f1([HYP], [REF])[0] == pytest.approx((raw - 0.4) / (1 - 0.4), abs=1e-6)
 

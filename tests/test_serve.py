@@ -235,6 +235,24 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, client):
 
 
 @pytest.mark.slow
+def test_request_metrics_reach_rays_metrics_endpoint(server, client, ray_session):
+    """What the dashboard's Metrics view (Prometheus/Grafana) scrapes: this node's Ray metrics export port."""
+    import httpx
+    client.chat.completions.create(**chat_body(max_tokens=2))
+    raw_post(server, "{}", key="wrong-key")
+    port = ray_session._private.worker.global_worker.node.metrics_export_port
+    wanted = ['ray_medray_serve_requests_total{', 'route="/v1/chat/completions"', 'status="401"']
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        lines = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text.splitlines()
+        if any(all(w in line for w in wanted) for line in lines) and any(
+                line.startswith("ray_medray_serve_request_seconds_bucket") for line in lines):
+            return
+        time.sleep(3)
+    pytest.fail("the serve metrics did not reach Ray's metrics endpoint within 60 s")
+
+
+@pytest.mark.slow
 def test_agent_mode_retrieves_and_returns_the_trace(server, client, tiny_model_path):
     """The model continues an assistant turn that opened a query; `</query>` is made certain with a logit bias (the
     random model would not write it), so the loop must search, append the hits and continue until its turn limit."""
