@@ -11,16 +11,15 @@ when the cores are shared), so the whole HPO knowledge base (38.9k chunks) takes
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from actors.encoders import Encoder, load_encoder
 from actors.retrieval_index import (IndexConfig, IndexMismatchError, check_manifest, read_manifest, resolve_corpus,
-                                    sha256_file, write_index)
+                                    write_index)
+from tasks.files import file_lock, sha256_file
 
 
 def read_chunks(path: str | os.PathLike) -> list[dict]:
@@ -61,7 +60,7 @@ def ensure_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enc
         encoder = load_encoder(encoder)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out.with_name(f".{out.name}.lock")):
+    with file_lock(out.with_name(f".{out.name}.lock")):
         try:
             manifest = read_manifest(out)
             check_manifest(manifest, out, encoder.identity, sha256_file(resolve_corpus(kb)))
@@ -71,17 +70,6 @@ def ensure_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enc
         if not current:
             manifest = build_index(kb, out, encoder, config, shards=shards, batch_size=batch_size, progress=progress)
     return manifest
-
-
-@contextmanager
-def _locked(path: Path):
-    """An exclusive advisory lock on ``path`` (POSIX), held for the with-block."""
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _torch_threads() -> int:

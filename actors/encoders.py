@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.files import sha256_file
 from tasks.hpo import cache_dir
 
 MINILM_NAMES = ("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
@@ -92,7 +93,7 @@ def _locate_minilm_zip(work: Path) -> Path:
 
 
 def _check_weights(model_dir: Path) -> None:
-    digest = _sha256(model_dir / "model.safetensors")
+    digest = sha256_file(model_dir / "model.safetensors")
     if digest != MINILM_WEIGHTS_SHA256:
         raise RuntimeError(f"{model_dir}/model.safetensors has sha256 {digest}, expected {MINILM_WEIGHTS_SHA256} "
                            f"(all-MiniLM-L6-v2); refusing to use unknown weights")
@@ -135,7 +136,7 @@ class Encoder:
             files = [self.path / "config.json", *weights, *vocab]
             digest = hashlib.sha256()
             for file in files:
-                digest.update(file.name.encode() + b"\0" + _sha256(file).encode())
+                digest.update(file.name.encode() + b"\0" + sha256_file(file).encode())
             self._checksum = digest.hexdigest()
         return self._checksum
 
@@ -208,9 +209,3 @@ def _max_length(path: Path) -> int:
     return 512
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -15,7 +15,6 @@ a query is never scored against vectors of a different model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import mmap
 import os
@@ -27,6 +26,8 @@ from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from tasks.files import sha256_file
 
 #: Bump when the directory layout or manifest fields change; older indexes are then refused.
 INDEX_FORMAT = 1
@@ -54,14 +55,6 @@ class IndexConfig(BaseModel):
 
 class IndexMismatchError(ValueError):
     """The index on disk was built with another encoder, from another corpus, or in another format."""
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class DocStore:

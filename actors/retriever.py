@@ -21,7 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from actors.encoders import Encoder, load_encoder
 from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, prepare_for_search,
-                                    read_manifest, resolve_corpus, sha256_file, shard_dirs)
+                                    read_manifest, resolve_corpus, shard_dirs)
+from tasks.files import sha256_file
 
 
 class RetrievalConfig(BaseModel):

@@ -6,24 +6,16 @@ intact and `latest` pointing at a complete one.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
+from tasks.files import sha256_file
 
 log = logging.getLogger("medray.checkpoint")
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def staging_dir(root: Path, step: int) -> Path:
@@ -39,7 +31,7 @@ def commit(root: Path, tmp: Path, step: int, state: dict, keep_last: int) -> Pat
     delete all but the newest `keep_last` checkpoints."""
     (tmp / STATE).write_text(json.dumps(state, indent=1))
     files = sorted(p for p in tmp.rglob("*") if p.is_file())
-    manifest = {"step": step, "files": {str(p.relative_to(tmp)): _sha256(p) for p in files}}
+    manifest = {"step": step, "files": {str(p.relative_to(tmp)): sha256_file(p) for p in files}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     final = root / f"step_{step}"
     if final.exists():
@@ -69,7 +61,7 @@ def verify(path: Path) -> str | None:
         f = path / name
         if not f.is_file():
             return f"{name} is missing"
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             return f"{name} does not match its checksum"
     return None
 

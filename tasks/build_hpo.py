@@ -10,17 +10,15 @@ the manifest is missing, was made with other arguments, or a file no longer matc
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import json
 import time
 from collections.abc import Iterable
-from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
 from tqdm import tqdm
 
+from tasks.files import file_lock, sha256_file
 from tasks.hpo import load_hpo_snapshot
 from tasks.hpo_tasks import HPOTaskBuilder
 from tasks.knowledge_base import KnowledgeBase
@@ -56,7 +54,7 @@ def ensure_hpo_world(out_dir: str | Path, seed: int = 0, **sizes) -> dict[str, P
     out = Path(out_dir)
     args = _resolve(sizes)
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".build.lock"):
+    with file_lock(out / ".build.lock"):
         if not _is_current(out, seed, args):
             build_hpo_world(out, seed, **args)
     return _paths(out)
@@ -101,7 +99,7 @@ def build_hpo_world(out_dir: str | Path, seed: int = 0, progress: bool = True, *
             "diseases": {s: len(p) for s, p in builder.disease_split.items()},
             "warmup_terms": {s: len(p) for s, p in builder.term_split.items()},
         },
-        "sha256": {key: _sha256(out / name) for key, name in FILES.items()},
+        "sha256": {key: sha256_file(out / name) for key, name in FILES.items()},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     if progress:
@@ -129,7 +127,7 @@ def _is_current(out: Path, seed: int, args: dict) -> bool:
         and manifest.get("seed") == seed
         and manifest.get("args") == args
         and all(
-            (out / name).is_file() and _sha256(out / name) == manifest["sha256"].get(key) for key, name in FILES.items()
+            (out / name).is_file() and sha256_file(out / name) == manifest["sha256"].get(key) for key, name in FILES.items()
         )
     )
 
@@ -147,25 +145,6 @@ def _write_jsonl(path: Path, rows: Iterable[dict]) -> int:
     return n
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@contextmanager
-def _locked(path: Path):
-    """An exclusive advisory lock on ``path`` (POSIX), held for the with-block."""
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tasks.build_hpo", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, type=Path, help="output directory")
@@ -176,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     args = vars(parser.parse_args(argv))
     out, seed, force = args.pop("out"), args.pop("seed"), args.pop("force")
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".build.lock"):
+    with file_lock(out / ".build.lock"):
         if force or not _is_current(out, seed, _resolve(args)):
             build_hpo_world(out, seed, **args)
         else:

