@@ -9,7 +9,7 @@ import ray
 from actors.environment import Episode, EpisodeRunner, Grammar, to_trajectory
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
-from cluster.weight_sync import WeightManifest, receive_weights
+from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights
 
 
 @ray.remote(max_restarts=3, max_task_retries=0)
@@ -91,12 +91,22 @@ class RolloutWorker:
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
     def update_weights(self, manifest: WeightManifest) -> float:
-        """Load weights of `manifest.version` into the running engine, bucket by bucket, and drop cached
-        prefixes computed with the old weights. Returns the seconds it took."""
+        """Load weights of `manifest.version` from the object store, bucket by bucket. Returns the seconds taken."""
+        return self._reload(receive_weights(manifest), manifest.version)
+
+    def join_broadcast_group(self, host: str, port: int, world_size: int, rank: int) -> None:
+        self.broadcast_group = join_broadcast_group(host, port, world_size, rank, self.device)
+
+    def receive_broadcast(self, version: int, meta: list) -> float:
+        """Load weights of `version` as learner rank 0 broadcasts them. Returns the seconds taken."""
+        return self._reload(receive_broadcast(self.broadcast_group, meta, self.device), version)
+
+    def _reload(self, named_tensors, version: int) -> float:
+        """Weights into the running engine (no restart), then drop prefixes cached under the old weights."""
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": receive_weights(manifest)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self.llm.reset_prefix_cache()
-        self.version = manifest.version
+        self.version = version
         return time.perf_counter() - start
 
 

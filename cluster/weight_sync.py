@@ -1,6 +1,7 @@
 """Moving the learner's weights to every rollout worker after each optimizer step.
 
-Object-store transport (one node, or any cluster without NCCL): the learner packs parameters into flat
+Two transports behind `LearnerGroup.sync` (`cluster.weight_sync`): the object store (default without GPUs) and a
+collective broadcast (default with GPUs: NCCL; gloo on CPU). Object-store transport: the learner packs parameters into flat
 buckets of at most `bucket_mb`, puts each bucket once, and every rollout worker reads the same objects
 (zero-copy numpy views on the same node). Workers consume buckets one at a time, so peak extra memory is
 a bucket, not a model. Pack buffers are reused across rounds: writing onto warm pages is several times
@@ -100,3 +101,44 @@ def receive_weights(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tenso
             dtype = getattr(torch, s.dtype)
             view = flat.view(dtype) if dtype == torch.bfloat16 else flat
             yield s.name, view[s.offset:s.offset + s.numel].view(s.shape)
+
+
+# ---- collective transport: NCCL between GPUs, gloo on CPU ---------------------------------------------------------
+# A process group of its own spans learner rank 0 (rank 0) and the rollout workers (ranks 1..R), apart from the
+# learners' DeepSpeed group; each sync broadcasts the parameters one by one, straight into the engines' loaders.
+# On a GPU cluster this keeps weights on the GPUs; here gloo runs the same code path on CPU.
+
+def join_broadcast_group(host: str, port: int, world_size: int, rank: int, device: str):
+    """Create (rank 0, which also hosts the store) or join the weight-broadcast group."""
+    import datetime
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(minutes=5)
+    store = dist.PrefixStore("medray-weights", dist.TCPStore(host, port, world_size, is_master=rank == 0,
+                                                              timeout=timeout))
+    if device == "cuda":
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    import torch.distributed as dist
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()
+
+
+def broadcast_weights(group, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Rank 0: send every tensor, in the order of the shared metadata."""
+    for _, tensor in named_tensors:
+        _broadcast(group, tensor.contiguous())
+
+
+def receive_broadcast(group, meta: list[tuple[str, str, tuple[int, ...]]], device: str
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Ranks 1..R: (name, tensor) as each arrives; `meta` is (name, dtype, shape) in the sender's order."""
+    for name, dtype, shape in meta:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        _broadcast(group, tensor)
+        yield name, tensor

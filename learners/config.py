@@ -34,7 +34,9 @@ class ClusterConfig(Strict):
     rollout: ActorResources = ActorResources(threads=2)
     learner: ActorResources = ActorResources(num=2, num_cpus=0.25)
     reward: ActorResources = ActorResources(num_cpus=0.25)
-    sync_bucket_mb: float = Field(256.0, gt=0, description="weight-sync bucket size: bounds peak extra memory")
+    weight_sync: Literal["auto", "object_store", "collective"] = Field(
+        "auto", description="learner -> rollout transport; auto: collective (NCCL) with GPUs, else the object store")
+    sync_bucket_mb: float = Field(256.0, gt=0, description="object-store bucket size: bounds peak extra memory")
 
 
 class TinyModelConfig(Strict):

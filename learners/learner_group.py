@@ -177,13 +177,28 @@ class LearnerWorker:
     def publish_weights(self, version: int, bucket_mb: float):
         """Rank 0 puts the weights into the object store and returns (manifest, seconds)."""
         from cluster.weight_sync import WeightPublisher
-        if self.rank != 0:
-            return self.help_gather()
         start = time.perf_counter()
         if not hasattr(self, "publisher"):
             self.publisher = WeightPublisher(bucket_mb)
         manifest = self.publisher.publish(self.named_weights(), version)
         return manifest, time.perf_counter() - start
+
+    def weight_meta(self) -> list[tuple[str, str, tuple[int, ...]]]:
+        """(name, dtype, shape) of every parameter, in broadcast order (rank 0; the full shapes under ZeRO-3)."""
+        module = self.engine.module
+        shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
+        return [(n, str(p.dtype).removeprefix("torch."), shapes[n]) for n, p in module.named_parameters()]
+
+    def join_broadcast_group(self, host: str, port: int, world_size: int) -> None:
+        from cluster.weight_sync import join_broadcast_group
+        self.broadcast_group = join_broadcast_group(host, port, world_size, 0, self.device)
+
+    def broadcast_weights(self) -> float:
+        """Rank 0 broadcasts every parameter to the rollout workers; returns the seconds taken."""
+        from cluster.weight_sync import broadcast_weights
+        start = time.perf_counter()
+        broadcast_weights(self.broadcast_group, self.named_weights())
+        return time.perf_counter() - start
 
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token_t | tokens_<t) at temperature 1 under the current weights, for t >= 1."""
@@ -238,10 +253,33 @@ class LearnerGroup:
         return {**summed, "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
                 "seconds": max(p["seconds"] for p in per_rank)}
 
-    def publish(self, version: int):
-        """(manifest, seconds) from rank 0; all ranks take part so ZeRO-3 can gather."""
-        results = ray.get([r.publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb) for r in self.ranks])
-        return results[0]
+    def connect(self, workers: list) -> None:
+        """Set up the weight transport to `workers` (`cluster.weight_sync`; auto: collective with GPUs)."""
+        choice = self.cfg.cluster.weight_sync
+        self.transport = choice if choice != "auto" else \
+            ("collective" if self.cfg.cluster.learner.num_gpus > 0 else "object_store")
+        self.workers = workers
+        if self.transport == "collective":
+            host, port = ray.get(self.ranks[0].address.remote())
+            world = 1 + len(workers)
+            ray.get([self.ranks[0].join_broadcast_group.remote(host, port, world)] +
+                    [w.join_broadcast_group.remote(host, port, world, i + 1) for i, w in enumerate(workers)])
+            self.meta = ray.get(self.ranks[0].weight_meta.remote())
+
+    def sync(self, version: int) -> dict:
+        """Send the weights of `version` to every rollout worker; all learner ranks take part (ZeRO-3 gathers)."""
+        start = time.perf_counter()
+        helpers = [r.help_gather.remote() for r in self.ranks[1:]]
+        if self.transport == "object_store":
+            manifest, send_s = ray.get(self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb))
+            load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
+            del manifest  # the objects are freed as soon as no one holds the manifest
+        else:
+            send = self.ranks[0].broadcast_weights.remote()
+            load_s = ray.get([w.receive_broadcast.remote(version, self.meta) for w in self.workers])
+            send_s = ray.get(send)
+        ray.get(helpers)
+        return {"sync_s": time.perf_counter() - start, "sync_send_s": send_s, "sync_load_s": max(load_s)}
 
     def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         return ray.get([r.sequence_logprobs.remote(sequences) for r in self.ranks])[0]

@@ -74,6 +74,7 @@ class Trainer:
             [s.model_dump() for s in cfg.rewards.components], cfg.rewards.timeout_s, cfg.rewards.on_error,
             cfg.cluster.reward.threads) for i in range(cfg.cluster.reward.num)]
         self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from)
+        self.learners.connect(self.workers)
         if resume_from:  # stateful rewards (ARMed's adaptive thresholds) continue where they were
             states = ckpt.read_state(resume_from).get("reward_states", [])
             ray.get([r.load_state_dict.remote(s) for r, s in zip(self.rewarders, states)])
@@ -120,14 +121,6 @@ class Trainer:
         return ray.get([self.rewarders[i % len(self.rewarders)].score.remote(ref)
                         for i, ref in enumerate(rollouts.trajectories)])
 
-    def sync_weights(self) -> dict:
-        """Publish the learner's new weights and load them into every rollout worker."""
-        start = time.perf_counter()
-        manifest, publish_s = self.learners.publish(self.version)
-        load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
-        del manifest  # the objects are freed as soon as no one holds the manifest
-        return {"sync_s": time.perf_counter() - start, "sync_publish_s": publish_s, "sync_load_s": max(load_s)}
-
     def check_fidelity(self, rollouts: StepRollouts, n: int = 4) -> float:
         """Max |engine logprob - learner logprob| over a few of the step's sequences, under the synced weights."""
         sample = ray.get(rollouts.trajectories[0])[:n]
@@ -162,7 +155,7 @@ class Trainer:
                 advantages = group_advantages(totals, cfg.rollout.group_size, cfg.algorithm.normalize_std)
                 train = self.learners.train(rollouts.trajectories, advantages.tolist())
                 self.version += 1
-                sync = self.sync_weights()
+                sync = self.learners.sync(self.version)
 
                 if not overlap and next_step < cfg.total_steps:
                     pending = self.start_rollouts(next_step)

@@ -74,9 +74,11 @@ def test_one_step_off_overlaps_with_a_version_lag_of_one(ray_session, tiny_model
     assert [m["version_lag"] for m in metrics] == [0, 1, 1]
 
 
-def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport):
     """After an update, an engine that did not take the new weights disagrees with the learner; after the sync
-    it agrees to 1e-4. (This is the check that caught stale tied LM heads in vLLM-CPU.)"""
+    it agrees to 1e-4, through either transport (the collective one runs on gloo here, NCCL on GPUs). This is
+    the check that caught stale tied LM heads in vLLM-CPU."""
     import numpy as np
     import ray
 
@@ -86,7 +88,8 @@ def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path):
     from learners.learner_group import LearnerGroup
 
     cfg = load_config("configs/quickstart.yaml", [*SMALL, "output_dir=unused", "rollout.prompts_per_step=2",
-                                                   "rollout.group_size=2", "learner.lr=0.01"])
+                                                   "rollout.group_size=2", "learner.lr=0.01",
+                                                   f"cluster.weight_sync={transport}"])
     placement = place(cfg.cluster)
     learners = LearnerGroup(cfg, placement, str(tiny_model_path))
     worker = RolloutWorker.options(**placement.options("rollout", 0, "RolloutWorker-fidelity")).remote(
@@ -106,9 +109,10 @@ def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path):
                        for e, l in zip(engine, learners.sequence_logprobs(seqs)))
 
         assert max_diff() > 1e-3, "the update should have moved the learner away from the engine"
-        manifest, _ = learners.publish(1)
-        ray.get(worker.update_weights.remote(manifest))
+        learners.connect([worker])
+        learners.sync(version=1)
         assert max_diff() <= 1e-4
+        assert ray.get(worker.ready.remote())["version"] == 1
     finally:
         learners.shutdown()
         ray.kill(worker)
