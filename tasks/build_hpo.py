@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.files import file_lock, sha256_file
+from tasks.files import file_lock, sha256_file, with_defaults
 from tasks.hpo import load_hpo_snapshot
 from tasks.hpo_tasks import HPOTaskBuilder
 from tasks.knowledge_base import KnowledgeBase
@@ -52,7 +52,7 @@ def ensure_hpo_world(out_dir: str | Path, seed: int = 0, **sizes) -> dict[str, P
     Safe to call from several processes at once: the check and build run under a file lock in ``out_dir``.
     """
     out = Path(out_dir)
-    args = _resolve(sizes)
+    args = with_defaults(sizes, DEFAULTS, "HPO world")
     out.mkdir(parents=True, exist_ok=True)
     with file_lock(out / ".build.lock"):
         if not _is_current(out, seed, args):
@@ -63,7 +63,7 @@ def ensure_hpo_world(out_dir: str | Path, seed: int = 0, **sizes) -> dict[str, P
 def build_hpo_world(out_dir: str | Path, seed: int = 0, progress: bool = True, **sizes) -> dict:
     """Build every file into ``out_dir`` and write manifest.json last (so a half-built world has none); return it."""
     out = Path(out_dir)
-    args = _resolve(sizes)
+    args = with_defaults(sizes, DEFAULTS, "HPO world")
     (out / "kb").mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)
     started = time.time()
@@ -107,14 +107,6 @@ def build_hpo_world(out_dir: str | Path, seed: int = 0, progress: bool = True, *
     return manifest
 
 
-def _resolve(sizes: dict) -> dict:
-    """DEFAULTS overridden by ``sizes``; an unknown name is an error, not silently ignored."""
-    unknown = set(sizes) - set(DEFAULTS)
-    if unknown:
-        raise TypeError(f"unknown HPO world arguments {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    return {**DEFAULTS, **sizes}
-
-
 def _is_current(out: Path, seed: int, args: dict) -> bool:
     """The manifest exists, matches seed, arguments and versions, and every file matches its checksum."""
     try:
@@ -156,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
     out, seed, force = args.pop("out"), args.pop("seed"), args.pop("force")
     out.mkdir(parents=True, exist_ok=True)
     with file_lock(out / ".build.lock"):
-        if force or not _is_current(out, seed, _resolve(args)):
+        if force or not _is_current(out, seed, with_defaults(args, DEFAULTS, "HPO world")):
             build_hpo_world(out, seed, **args)
         else:
             print(f"{out / 'manifest.json'} is current; nothing to do (use --force to rebuild)")

@@ -31,7 +31,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tasks.build_hpo import _write_jsonl
-from tasks.files import file_lock, sha256_file
+from tasks.files import file_lock, sha256_file, with_defaults
 from tasks.hpo import cache_dir, load_hpo_snapshot
 from tasks.imaging import (
     FINDINGS,
@@ -66,7 +66,7 @@ def ensure_imaging_world(
     is current. ``out_dir`` defaults to ``cache_dir()/imaging_world``; ``sizes`` override DEFAULTS (n_train, n_test,
     n_corpus, test_fraction). Safe to call from several processes at once (a file lock in ``out_dir``)."""
     out = Path(out_dir) if out_dir is not None else default_dir()
-    args = _resolve(sizes)
+    args = with_defaults(sizes, DEFAULTS, "imaging world")
     out.mkdir(parents=True, exist_ok=True)
     with file_lock(out / ".build.lock"):
         if not _is_current(out, seed, args):
@@ -79,7 +79,7 @@ def build_imaging_world(
 ) -> dict:
     """Render every image, write every file, then manifest.json last (a half-built world has none); return it."""
     out = Path(out_dir)
-    args = _resolve(sizes)
+    args = with_defaults(sizes, DEFAULTS, "imaging world")
     out.mkdir(parents=True, exist_ok=True)
     (out / "manifest.json").unlink(missing_ok=True)
     shutil.rmtree(out / "images", ignore_errors=True)
@@ -157,14 +157,6 @@ def _render_all(out: Path, plans: dict[str, list[CaseSpec]], hpo_ids: dict, work
     return results
 
 
-def _resolve(sizes: dict) -> dict:
-    """DEFAULTS overridden by ``sizes``; an unknown name is an error, not silently ignored."""
-    unknown = set(sizes) - set(DEFAULTS)
-    if unknown:
-        raise TypeError(f"unknown imaging world arguments {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-    return {**DEFAULTS, **sizes}
-
-
 def _is_current(out: Path, seed: int, args: dict) -> bool:
     """The manifest exists, matches seed, arguments and versions, and every file (images too) matches its checksum."""
     try:
@@ -201,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     force, workers = args.pop("force"), args.pop("workers")
     out.mkdir(parents=True, exist_ok=True)
     with file_lock(out / ".build.lock"):
-        if force or not _is_current(out, seed, _resolve(args)):
+        if force or not _is_current(out, seed, with_defaults(args, DEFAULTS, "imaging world")):
             build_imaging_world(out, seed, workers=workers, **args)
         else:
             print(f"{out / 'manifest.json'} is current; nothing to do (use --force to rebuild)")

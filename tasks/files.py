@@ -1,4 +1,4 @@
-"""File helpers every builder shares: content checksums and an exclusive build lock."""
+"""What every builder shares: content checksums, an exclusive build lock, build arguments with defaults."""
 from __future__ import annotations
 
 import fcntl
@@ -25,3 +25,11 @@ def file_lock(path: str | os.PathLike):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def with_defaults(sizes: dict, defaults: dict, what: str) -> dict:
+    """``defaults`` overridden by ``sizes``; an unknown name is an error, not silently ignored."""
+    unknown = set(sizes) - set(defaults)
+    if unknown:
+        raise TypeError(f"unknown {what} arguments {sorted(unknown)}; known: {sorted(defaults)}")
+    return {**defaults, **sizes}
