@@ -70,11 +70,16 @@ class Episode:
         self.loss_mask += [int(by_policy)] * len(ids)
 
 
-def turn_seed(seed: int, turn: int) -> int:
-    if turn == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}/{turn}".encode(), digest_size=4).digest()
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed that is a fixed function of `parts` (run seed, step, prompt, sample, turn, ...), decorrelated
+    across them: every random stream of a run is derived, so resuming needs no saved generator state."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of an episode's `turn`-th generation (turn 0 keeps the episode's own seed)."""
+    return seed if turn == 0 else derive_seed(seed, turn)
 
 
 class EpisodeRunner:

@@ -6,7 +6,7 @@ import time
 
 import ray
 
-from actors.environment import Episode, EpisodeRunner, Grammar, to_trajectory
+from actors.environment import Episode, EpisodeRunner, Grammar, derive_seed, to_trajectory
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
 from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights
@@ -73,7 +73,7 @@ class RolloutWorker:
         episodes = []
         for task, g in zip(tasks, groups):
             ids = self.chat_prompt_ids(task["messages"])
-            episodes += [Episode(task=task, group=g, seed=sample_seed(seed, g, j), prompt_ids=ids)
+            episodes += [Episode(task=task, group=g, seed=derive_seed(seed, g, j), prompt_ids=ids)
                          for j in range(group_size)]
         stats = self.runner.run(episodes, sampling)
         trajectories = [to_trajectory(ep, self.tokenizer, self.version) for ep in episodes]
@@ -108,10 +108,3 @@ class RolloutWorker:
         self.llm.reset_prefix_cache()
         self.version = version
         return time.perf_counter() - start
-
-
-def sample_seed(seed: int, group: int, sample: int) -> int:
-    """A 31-bit seed for sample `sample` of prompt `group`, decorrelated across (seed, group, sample)."""
-    import hashlib
-    digest = hashlib.blake2b(f"{seed}:{group}:{sample}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF

@@ -16,6 +16,7 @@ import ray
 import torch
 import yaml
 
+from actors.environment import derive_seed
 from actors.rollout_worker import RolloutWorker
 from cluster.placement import Placement, place
 from cluster.ray_session import start_or_join
@@ -106,7 +107,7 @@ class Trainer:
         r = self.cfg.rollout
         indices = self.sampler.batch(step)
         sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens, "stop": r.stop}
-        step_seed = hash_seed(self.cfg.seed, step)
+        step_seed = derive_seed(self.cfg.seed, step)
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
         trajs, summaries = [], []
         for worker, groups in zip(self.workers, chunks):
@@ -192,10 +193,6 @@ class Trainer:
         for actor in self.workers + self.rewarders:
             ray.kill(actor)
         self.placement.remove()
-
-
-def hash_seed(seed: int, step: int) -> int:
-    return int(np.random.default_rng([seed, step]).integers(2**31))
 
 
 def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,
