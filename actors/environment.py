@@ -1,8 +1,9 @@
-"""Multi-turn episodes on a live vLLM engine: generate until the grammar's action tag closes, fetch the observation
-(retrieved documents) asynchronously, append it with loss mask 0, and continue, up to a turn limit and a token budget.
+"""Multi-turn episodes on a live vLLM engine: generate until the grammar's action tag closes, hand the action to the
+environment (a retriever, a tool Gym) asynchronously, append its observation with loss mask 0, and continue, up to a
+turn limit and a token budget.
 
 A single-turn task is the same loop with no action tag. Requests go through the engine's add_request/step interface,
-so while one batch of queries is with the retriever the engine keeps decoding every other episode.
+so while one batch of actions is with the environment the engine keeps decoding every other episode.
 """
 from __future__ import annotations
 
@@ -44,11 +45,7 @@ class Grammar(BaseModel):
         found = re.findall(rf"<{self.action_tag}>(.*?)</{self.action_tag}>", segment, flags=re.S)
         return found[-1].strip() if found else ""
 
-    def format_observation(self, docs: list[dict] | None, error: str | None) -> str:
-        if error is not None:
-            body = f"retrieval failed ({error}); continue without it"
-        else:
-            body = "\n".join(f"[{i + 1}] {d.get('title', '')}: {d['text']}" for i, d in enumerate(docs)) or "no results"
+    def wrap_observation(self, body: str) -> str:
         return f"\n<{self.observation_tag}>\n{body}\n</{self.observation_tag}>\n"
 
 
@@ -82,24 +79,77 @@ def turn_seed(seed: int, turn: int) -> int:
     return seed if turn == 0 else derive_seed(seed, turn)
 
 
-class EpisodeRunner:
-    """Drives episodes to completion on `engine` (a vLLM LLMEngine), calling `retriever.search.remote(queries,
-    top_k)` for observations when the grammar has an action tag."""
+@dataclass
+class Observation:
+    """What the environment answers to one action: text shown inside the grammar's observation tags, the record kept
+    in the trajectory's turn (rewards read it), images shown to a multimodal policy, and whether the episode ends."""
+    text: str
+    record: dict = field(default_factory=dict)
+    images: list = field(default_factory=list)
+    done: bool = False
 
-    def __init__(self, engine, tokenizer, grammar: Grammar, retriever=None, retrieval_timeout_s: float = 60.0):
-        if grammar.action_tag and retriever is None:
-            raise ValueError(f"grammar action tag <{grammar.action_tag}> needs a retriever")
-        self.engine, self.tokenizer, self.grammar = engine, tokenizer, grammar
-        self.retriever, self.timeout_s = retriever, retrieval_timeout_s
+
+class Environment:
+    """What :class:`EpisodeRunner` calls when a policy closes the grammar's action tag. Subclasses hold only actor
+    handles and settings, so they travel to rollout workers.
+
+    `call` starts the work for a batch of actions and returns, per episode, either an :class:`Observation` already
+    decided (e.g. an invalid call) or `(ref, index)`: its raw result is item `index` of the list `ref` resolves to
+    (index None: all of it), so one batched remote call can serve many episodes. `observe` turns a raw result, or
+    the error that replaced it, into the observation.
+    """
+    timeout_s: float = 60.0
+
+    def call(self, episodes: list[Episode], actions: list[str]) -> list:
+        raise NotImplementedError
+
+    def observe(self, episode: Episode, action: str, result, error: str | None) -> Observation:
+        raise NotImplementedError
+
+
+def retrieval_text(hits: list[dict] | None, error: str | None) -> str:
+    """Retrieved chunks as the policy reads them, or the failure it must reason around."""
+    if error is not None:
+        return f"retrieval failed ({error}); continue without it"
+    return "\n".join(f"[{i + 1}] {d.get('title', '')}: {d['text']}" for i, d in enumerate(hits)) or "no results"
+
+
+class RetrievalEnvironment(Environment):
+    """Queries go to a :class:`~actors.retriever.Retriever` actor (or a ShardedRetriever) in one batched call;
+    each turn records the query and the retrieved chunks (ids and text)."""
+
+    def __init__(self, retriever, top_k: int, timeout_s: float = 60.0):
+        self.retriever, self.top_k, self.timeout_s = retriever, top_k, timeout_s
+
+    def call(self, episodes: list[Episode], actions: list[str]) -> list:
+        search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
+        ref = search(actions, self.top_k) if search else self.retriever.search.remote(actions, self.top_k)
+        return [(ref, i) for i in range(len(actions))]
+
+    def observe(self, episode: Episode, action: str, result, error: str | None) -> Observation:
+        hits = result[:self.top_k] if result is not None else None
+        record = {"query": action, "error": error,
+                  "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
+        return Observation(retrieval_text(hits, error), record)
+
+
+class EpisodeRunner:
+    """Drives episodes to completion on `engine` (a vLLM LLMEngine), asking `environment` for an observation each
+    time the policy closes the grammar's action tag."""
+
+    def __init__(self, engine, tokenizer, grammar: Grammar, environment: Environment | None = None):
+        if grammar.action_tag and environment is None:
+            raise ValueError(f"grammar action tag <{grammar.action_tag}> needs an environment (retriever or tools)")
+        self.engine, self.tokenizer, self.grammar, self.environment = engine, tokenizer, grammar, environment
         self._next_id = 0
 
     def run(self, episodes: list[Episode], sampling: dict) -> dict:
-        """Run every episode to the end; returns statistics (engine idle time waiting on retrieval, errors)."""
+        """Run every episode to the end; returns statistics (engine idle time waiting on the environment, errors)."""
         from vllm import SamplingParams
 
-        g = self.grammar
+        g, env = self.grammar, self.environment
         live: dict[str, Episode] = {}
-        waiting: dict[ray.ObjectRef, tuple[list[Episode], float]] = {}
+        waiting: dict[ray.ObjectRef, tuple[list[tuple[Episode, str, int | None]], float]] = {}
         stats = {"env_calls": 0, "env_errors": 0, "idle_s": 0.0}
         start = time.perf_counter()
 
@@ -114,8 +164,8 @@ class EpisodeRunner:
             live[request_id] = ep
             self.engine.add_request(request_id, {"prompt_token_ids": ep.prompt_ids + ep.response_ids}, params)
 
-        def on_generated(ep: Episode, out) -> Episode | None:
-            """Record a finished generation; the episode if it now waits on the environment."""
+        def on_generated(ep: Episode, out) -> str | None:
+            """Record a finished generation; the action if the episode now waits on the environment."""
             seq = out.outputs[0]
             ids = list(seq.token_ids)
             ep.extend(ids, [lp[t].logprob for lp, t in zip(seq.logprobs, ids)], by_policy=True)
@@ -127,58 +177,63 @@ class EpisodeRunner:
             elif len(ep.response_ids) >= g.max_response_tokens:
                 ep.finish_reason = "budget"
             else:
-                ep.turns.append({"query": g.action_text(seq.text)})
-                return ep
+                return g.action_text(seq.text)
             return None
 
-        def observe(eps: list[Episode], docs: list[list[dict]] | None, error: str | None) -> None:
-            for i, ep in enumerate(eps):
-                hits = docs[i][:g.top_k] if docs is not None else None
-                ep.turns[-1].update(error=error, chunks=[{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]}
-                                                         for d in hits or []])
-                ids = self.tokenizer.encode(g.format_observation(hits, error), add_special_tokens=False)
-                room = g.max_response_tokens - len(ep.response_ids)
-                ep.extend(ids[:min(g.max_observation_tokens, room)], [], by_policy=False)
-                if len(ep.response_ids) >= g.max_response_tokens:
-                    ep.finish_reason = "budget"
-                else:
-                    submit(ep)
+        def observe(ep: Episode, obs: Observation) -> None:
+            ep.turns.append(obs.record)
+            if obs.record.get("error") is not None:
+                stats["env_errors"] += 1
+            ids = self.tokenizer.encode(g.wrap_observation(obs.text), add_special_tokens=False)
+            room = g.max_response_tokens - len(ep.response_ids)
+            ep.extend(ids[:min(g.max_observation_tokens, room)], [], by_policy=False)
+            if obs.done:
+                ep.finish_reason = obs.record.get("finish", "environment")
+            elif len(ep.response_ids) >= g.max_response_tokens:
+                ep.finish_reason = "budget"
+            else:
+                submit(ep)
 
         for ep in episodes:
             submit(ep)
         while live or waiting:
-            asking: list[Episode] = []
+            asking: list[tuple[Episode, str]] = []
             if live:
                 for out in self.engine.step():
                     if out.finished:
-                        ep = on_generated(live.pop(out.request_id), out)
-                        if ep is not None:
-                            asking.append(ep)
-            if asking:  # every query this step produced goes to the retriever as one batch
+                        ep = live.pop(out.request_id)
+                        action = on_generated(ep, out)
+                        if action is not None:
+                            asking.append((ep, action))
+            if asking:  # every action this engine step produced goes to the environment as one batch
                 stats["env_calls"] += len(asking)
-                queries = [ep.turns[-1]["query"] for ep in asking]
-                search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
-                ref = search(queries, g.top_k) if search else self.retriever.search.remote(queries, g.top_k)
-                waiting[ref] = (asking, time.perf_counter())
+                sent = time.perf_counter()
+                for (ep, action), pending in zip(asking, env.call([ep for ep, _ in asking], [a for _, a in asking])):
+                    if isinstance(pending, Observation):
+                        observe(ep, pending)
+                    else:
+                        ref, index = pending
+                        waiting.setdefault(ref, ([], sent))[0].append((ep, action, index))
             if waiting:
                 idle = not live
                 t0 = time.perf_counter()
                 ready, _ = ray.wait(list(waiting), num_returns=1 if idle else len(waiting),
-                                    timeout=self.timeout_s if idle else 0)
+                                    timeout=env.timeout_s if idle else 0)
                 if idle:
                     stats["idle_s"] += time.perf_counter() - t0
                 for ref in ready:
-                    eps, _ = waiting.pop(ref)
                     try:
-                        observe(eps, ray.get(ref), None)
-                    except Exception as e:  # noqa: BLE001  the episode gets an observation it can recover from
-                        stats["env_errors"] += len(eps)
-                        observe(eps, None, type(e).__name__)
-                for ref, (eps, sent) in list(waiting.items()):
-                    if time.perf_counter() - sent > self.timeout_s:
+                        results, error = ray.get(ref), None
+                    except Exception as e:  # noqa: BLE001  the episodes get an observation they can recover from
+                        results, error = None, type(e).__name__
+                    for ep, action, index in waiting.pop(ref)[0]:
+                        result = results if results is None or index is None else results[index]
+                        observe(ep, env.observe(ep, action, result, error))
+                for ref, (asked, sent) in list(waiting.items()):
+                    if time.perf_counter() - sent > env.timeout_s:
                         waiting.pop(ref)
-                        stats["env_errors"] += len(eps)
-                        observe(eps, None, "timeout")
+                        for ep, action, _ in asked:
+                            observe(ep, env.observe(ep, action, None, "timeout"))
         stats["seconds"] = time.perf_counter() - start
         return stats
 

@@ -6,7 +6,7 @@ import time
 
 import ray
 
-from actors.environment import Episode, EpisodeRunner, Grammar, derive_seed, to_trajectory
+from actors.environment import Environment, Episode, EpisodeRunner, Grammar, derive_seed, to_trajectory
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
 from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights
@@ -23,7 +23,7 @@ class RolloutWorker:
     def __init__(self, model_path: str, *, seed: int, threads: int, dtype: str = "float32",
                  max_model_len: int = 1024, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
                  logprobs_mode: str = "processed_logprobs", version: int = 0, grammar: dict | None = None,
-                 retriever=None):
+                 environment: Environment | None = None):
         pin_threads(threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -40,7 +40,8 @@ class RolloutWorker:
                        # ("CPU Generator does not use offset"); per-sample seeds keep rollouts reproducible.
                        enable_chunked_prefill=False)
         self.tokenizer = self.llm.get_tokenizer()
-        self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}), retriever)
+        self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}),
+                                    environment)
         self.version = version  # the learner version whose weights the engine holds
 
     def ready(self) -> dict:

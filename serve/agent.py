@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from actors.environment import Grammar, turn_seed
+from actors.environment import Grammar, retrieval_text, turn_seed
 
 # (prompt ids, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None)
 Generate = Callable[[list[int], int, list[str], int | None], Awaitable[tuple[str, list[int], str | None]]]
@@ -61,7 +61,7 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
         query = grammar.action_text(segment)
         hits, error = await _search(search, query, grammar.top_k, timeout_s)
         turns.append({"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
-        observation = grammar.format_observation(hits, error)
+        observation = grammar.wrap_observation(retrieval_text(hits, error))
         observation_ids = tokenizer.encode(observation, add_special_tokens=False)[:grammar.max_observation_tokens]
         ids += observation_ids
         transcript += tokenizer.decode(observation_ids, skip_special_tokens=False)

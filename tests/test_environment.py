@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from actors.environment import Episode, EpisodeRunner, Grammar
+from actors.environment import Episode, EpisodeRunner, Grammar, RetrievalEnvironment
 
 pytestmark = pytest.mark.slow
 
@@ -60,7 +60,7 @@ def episodes(engine, n=2):
 def test_masks_are_exact_and_turn_limit_holds(engine, retriever_cls):
     tok = engine.get_tokenizer()
     grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=2, top_k=1)
-    runner = EpisodeRunner(engine.llm_engine, tok, grammar, retriever_cls.remote())
+    runner = EpisodeRunner(engine.llm_engine, tok, grammar, RetrievalEnvironment(retriever_cls.remote(), 1))
     eps = episodes(engine)
     stats = runner.run(eps, forced(tok, "</query>"))
     close = tok.convert_tokens_to_ids("</query>")
@@ -79,7 +79,7 @@ def test_masks_are_exact_and_turn_limit_holds(engine, retriever_cls):
 def test_token_budget_ends_the_episode(engine, retriever_cls):
     tok = engine.get_tokenizer()
     grammar = Grammar(action_tag="query", max_turns=5, max_response_tokens=20, max_observation_tokens=12)
-    runner = EpisodeRunner(engine.llm_engine, tok, grammar, retriever_cls.remote())
+    runner = EpisodeRunner(engine.llm_engine, tok, grammar, RetrievalEnvironment(retriever_cls.remote(), 1))
     eps = episodes(engine, n=1)
     runner.run(eps, forced(tok, "</query>"))
     assert eps[0].finish_reason == "budget" and len(eps[0].response_ids) <= 20
@@ -100,7 +100,8 @@ def test_killed_retriever_does_not_lose_the_trajectory(engine, retriever_cls):
     tok = engine.get_tokenizer()
     retriever = retriever_cls.remote(delay_s=1.5)
     ray.get(retriever.search.remote([], 1))  # started
-    runner = EpisodeRunner(engine.llm_engine, tok, Grammar(action_tag="query", max_turns=2), retriever)
+    runner = EpisodeRunner(engine.llm_engine, tok, Grammar(action_tag="query", max_turns=2),
+                           RetrievalEnvironment(retriever, 3))
     eps = episodes(engine)
     threading.Timer(0.5, lambda: ray.kill(retriever, no_restart=False)).start()
     stats = runner.run(eps, forced(tok, "</query>"))
