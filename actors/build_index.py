@@ -22,10 +22,27 @@ from actors.retrieval_index import (IndexConfig, IndexMismatchError, check_manif
 from tasks.files import file_lock, sha256_file
 
 
+CHUNK_FIELDS = ("id", "doc_id", "title", "text", "source")
+
+
 def read_chunks(path: str | os.PathLike) -> list[dict]:
-    """The chunk records of a knowledge-base JSONL, in file order (the order of the index's rows)."""
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
+    """The chunk records of a knowledge-base JSONL, in file order (the order of the index's rows); a line that is not
+    UTF-8 JSON with every field of CHUNK_FIELDS raises ValueError naming the file, the line and the field."""
+    chunks = []
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                chunk = json.loads(raw.decode("utf-8")) if raw.strip() else None
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a UTF-8 JSON line ({e})") from None
+            if chunk is None:
+                continue
+            missing = [f for f in CHUNK_FIELDS if not isinstance(chunk, dict) or not isinstance(chunk.get(f), str)]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: field {missing[0]!r}: missing or not a string "
+                                 f"(a chunk has {', '.join(CHUNK_FIELDS)})")
+            chunks.append(chunk)
+    return chunks
 
 
 def build_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Encoder | str = "minilm",
@@ -34,20 +51,24 @@ def build_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enco
     """Encode every chunk of ``kb`` with ``encoder`` and write the index to ``out_dir``; return its manifest.
 
     The manifest records the encoder's source (an alias resolves to each machine's own cached copy) and its checksum,
-    which is what loading compares.
+    which is what loading compares. With ``config.kind == "none"`` nothing is encoded (a BM25-only index).
     """
+    config = config or IndexConfig()
     corpus_path = resolve_corpus(kb)
     chunks = read_chunks(corpus_path)
-    if not isinstance(encoder, Encoder):
-        encoder = load_encoder(encoder)
-    started = time.perf_counter()
-    vectors = encoder.encode([chunk["text"] for chunk in chunks], batch_size=batch_size, progress=progress)
-    seconds = time.perf_counter() - started
-    encoding = {"seconds": round(seconds, 2), "chunks_per_s": round(len(chunks) / seconds, 2),
-                "batch_size": batch_size, "device": encoder.device, "threads": _torch_threads()}
-    return write_index(out_dir, chunks, vectors, encoder_identity=encoder.identity,
+    vectors, identity, extra = None, None, {}
+    if config.kind != "none":
+        if not isinstance(encoder, Encoder):
+            encoder = load_encoder(encoder)
+        started = time.perf_counter()
+        vectors = encoder.encode([chunk["text"] for chunk in chunks], batch_size=batch_size, progress=progress)
+        seconds = time.perf_counter() - started
+        identity = encoder.identity
+        extra["encoding"] = {"seconds": round(seconds, 2), "chunks_per_s": round(len(chunks) / seconds, 2),
+                             "batch_size": batch_size, "device": encoder.device, "threads": _torch_threads()}
+    return write_index(out_dir, chunks, vectors, encoder_identity=identity,
                        corpus={"source": str(corpus_path), "sha256": sha256_file(corpus_path)},
-                       config=config or IndexConfig(), shards=shards, extra={"encoding": encoding}, progress=progress)
+                       config=config, shards=shards, extra=extra, progress=progress)
 
 
 def ensure_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Encoder | str = "minilm",
@@ -56,15 +77,17 @@ def ensure_index(kb: str | os.PathLike, out_dir: str | os.PathLike, encoder: Enc
     """The manifest of the index in ``out_dir``, (re)building it first unless it was built from this corpus, with this
     encoder, index settings and shard count. Safe to call from several processes at once (a file lock)."""
     config = config or IndexConfig()
-    if not isinstance(encoder, Encoder):
+    if config.kind != "none" and not isinstance(encoder, Encoder):
         encoder = load_encoder(encoder)
+    identity = encoder.identity if isinstance(encoder, Encoder) else None
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out.with_name(f".{out.name}.lock")):
         try:
             manifest = read_manifest(out)
-            check_manifest(manifest, out, encoder.identity, sha256_file(resolve_corpus(kb)))
-            current = manifest["index"] == config.model_dump() and len(manifest.get("shards", [None])) == shards
+            check_manifest(manifest, out, identity, sha256_file(resolve_corpus(kb)))
+            current = manifest["index"] == config.model_dump() and len(manifest.get("shards", [None])) == shards \
+                and (manifest["encoder"] is None) == (identity is None)
         except (FileNotFoundError, IndexMismatchError):
             current = False
         if not current:
@@ -83,7 +106,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kb", required=True, help="chunks JSONL, or 'hpo' for the HPO world's knowledge base")
     parser.add_argument("--out", required=True, type=Path, help="index directory (replaced if it exists)")
     parser.add_argument("--encoder", default="minilm", help="local HF / sentence-transformers model dir, or 'minilm'")
-    parser.add_argument("--index", default="flat", choices=["flat", "hnsw", "ivfpq"], help="dense index kind")
+    parser.add_argument("--index", default="flat", choices=["flat", "hnsw", "ivfpq", "none"],
+                        help="dense index kind; none: BM25 only, nothing encoded")
     parser.add_argument("--shards", type=int, default=1, help="split into N shards, one Retriever actor each")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch / FAISS threads (default: all cores)")
@@ -105,9 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     overrides = {name: getattr(args, name) for name in IndexConfig.model_fields if name != "kind"}
     config = IndexConfig(kind=args.index, **{k: v for k, v in overrides.items() if v is not None})
     manifest = build_index(args.kb, args.out, args.encoder, config, shards=args.shards, batch_size=args.batch_size)
+    encoded = f", encoded at {manifest['encoding']['chunks_per_s']} chunks/s" if "encoding" in manifest else ""
     print(f"wrote {args.out}: {manifest['corpus']['chunks']} chunks, {args.index} index, "
-          f"{len(manifest.get('shards', [])) or 1} shard(s), encoded at {manifest['encoding']['chunks_per_s']} "
-          f"chunks/s")
+          f"{len(manifest.get('shards', [])) or 1} shard(s){encoded}")
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class Encoder:
 
         self.path, self.device, self.pooling, self.max_length, self.source = path, device, pooling, max_length, source
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.model = AutoModel.from_pretrained(path).to(device).eval()
+        self.model = AutoModel.from_pretrained(path, use_safetensors=True).to(device).eval()
         self.dim = int(self.model.config.hidden_size)
         self._checksum: str | None = None
 

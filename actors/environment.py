@@ -4,14 +4,20 @@ turn limit and a token budget.
 
 A single-turn task is the same loop with no action tag. Requests go through the engine's add_request/step interface,
 so while one batch of actions is with the environment the engine keeps decoding every other episode.
+
+Images (a multimodal policy, :class:`ImageTokens`): the episode's token ids hold each image as its full run of
+`<|image_pad|>` tokens (what the learner's forward needs); vLLM gets each run collapsed to one `<|image_pad|>` plus the
+images as `multi_modal_data`, and expands it itself.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +66,8 @@ class Episode:
     loss_mask: list[int] = field(default_factory=list)
     turns: list[dict] = field(default_factory=list)
     finish_reason: str = ""
+    images: list[np.ndarray] = field(default_factory=list)   # RGB uint8 arrays of every image in the ids, in order
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # their (t, h, w) patch grids
 
     def extend(self, ids: list[int], logprobs: list[float], by_policy: bool) -> None:
         self.response_ids += ids
@@ -89,6 +97,70 @@ class Observation:
     done: bool = False
 
 
+def rgb_array(image) -> np.ndarray:
+    """An image (PIL, or an array HxW / HxWx3 / HxWx4) as the RGB uint8 HxWx3 array vLLM and the learner both get."""
+    if not isinstance(image, np.ndarray):
+        return np.array(image.convert("RGB"))  # writable: torch.from_numpy warns on read-only arrays
+    if image.dtype != np.uint8:
+        raise ValueError(f"image arrays must be uint8, got {image.dtype}")
+    if image.ndim == 2:
+        return np.repeat(image[:, :, None], 3, axis=2)
+    if image.ndim == 3 and image.shape[2] in (3, 4):
+        return np.ascontiguousarray(image[:, :, :3])
+    raise ValueError(f"an image array must be HxW, HxWx3 or HxWx4, got shape {image.shape}")
+
+
+class ImageTokens:
+    """Images as tokens for a Qwen2-VL-family policy, with the model's own processor (`AutoProcessor`).
+
+    An image is `<|vision_start|><|image_pad|>...<|image_pad|><|vision_end|>` with t*h*w / merge^2 pads, (t, h, w)
+    being the patch grid the image processor makes of it. vLLM wants prompt ids with ONE pad per image (it expands
+    them; checked: an already expanded prompt is expanded again, silently), while the learner's forward needs the
+    full runs, so episodes keep full runs and :meth:`collapse` makes vLLM's form.
+    """
+
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+
+    def __init__(self, processor):
+        self.image_processor = processor.image_processor
+        self.merge = self.image_processor.merge_size
+        tok = processor.tokenizer
+        self.pad_id, self.start_id, self.end_id, video_id = (tok.convert_tokens_to_ids(t) for t in (
+            "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"))
+        # Tokens only images may bring: a policy that writes one ends its turn there (see EpisodeRunner), since a
+        # stray pad in the ids would make the learner's forward look for image features that do not exist.
+        self.special_ids = [self.pad_id, self.start_id, self.end_id, video_id]
+
+    @classmethod
+    def for_model(cls, model_path: str) -> ImageTokens | None:
+        """The model's image tokens, or None for a text-only model."""
+        from transformers import AutoConfig, AutoProcessor
+        if not hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
+            return None
+        return cls(AutoProcessor.from_pretrained(model_path))
+
+    def grid(self, image: np.ndarray) -> tuple[int, int, int]:
+        return tuple(self.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist())
+
+    def expand(self, ids: list[int], grids: list[tuple[int, int, int]]) -> list[int]:
+        """Each single pad of `ids` (one per image, in order) becomes its image's full run of pads."""
+        if ids.count(self.pad_id) != len(grids):
+            raise ValueError(f"{ids.count(self.pad_id)} image placeholders for {len(grids)} images")
+        runs = iter(math.prod(g) // self.merge ** 2 for g in grids)
+        return [x for t in ids for x in ([t] if t != self.pad_id else [t] * next(runs))]
+
+    def collapse(self, ids: list[int]) -> list[int]:
+        """Each run of pads becomes one pad (vLLM's prompt form)."""
+        return [t for i, t in enumerate(ids) if t != self.pad_id or i == 0 or ids[i - 1] != self.pad_id]
+
+    def cut(self, ids: list[int], limit: int) -> int:
+        """The longest prefix length <= limit that does not split an image: a cut inside one drops it whole."""
+        cut, inside = min(limit, len(ids)), None
+        for i, t in enumerate(ids[:cut]):
+            inside = i if t == self.start_id else None if t == self.end_id else inside
+        return cut if inside is None else inside
+
+
 class Environment:
     """What :class:`EpisodeRunner` calls when a policy closes the grammar's action tag. Subclasses hold only actor
     handles and settings, so they travel to rollout workers.
@@ -105,6 +177,10 @@ class Environment:
 
     def observe(self, episode: Episode, action: str, result, error: str | None) -> Observation:
         raise NotImplementedError
+
+    def actors(self) -> list:
+        """The actor handles serving this environment (the trainer releases them at the end of a run)."""
+        return []
 
 
 def retrieval_text(hits: list[dict] | None, error: str | None) -> str:
@@ -132,15 +208,21 @@ class RetrievalEnvironment(Environment):
                   "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
         return Observation(retrieval_text(hits, error), record)
 
+    def actors(self) -> list:
+        return list(getattr(self.retriever, "actors", [self.retriever]))
+
 
 class EpisodeRunner:
     """Drives episodes to completion on `engine` (a vLLM LLMEngine), asking `environment` for an observation each
-    time the policy closes the grammar's action tag."""
+    time the policy closes the grammar's action tag. `vision`: how a multimodal policy's images become tokens
+    (None: a text-only policy)."""
 
-    def __init__(self, engine, tokenizer, grammar: Grammar, environment: Environment | None = None):
+    def __init__(self, engine, tokenizer, grammar: Grammar, environment: Environment | None = None,
+                 vision: ImageTokens | None = None):
         if grammar.action_tag and environment is None:
             raise ValueError(f"grammar action tag <{grammar.action_tag}> needs an environment (retriever or tools)")
         self.engine, self.tokenizer, self.grammar, self.environment = engine, tokenizer, grammar, environment
+        self.vision = vision
         self._next_id = 0
 
     def run(self, episodes: list[Episode], sampling: dict) -> dict:
@@ -155,20 +237,31 @@ class EpisodeRunner:
 
         def submit(ep: Episode) -> None:
             budget = g.max_response_tokens - len(ep.response_ids)
+            stop_ids = sorted(set(sampling.get("stop_token_ids") or []) | set(self.vision.special_ids)) \
+                if self.vision else sampling.get("stop_token_ids")
             params = SamplingParams(**{**sampling, "max_tokens": min(sampling["max_tokens"], budget),
-                                       "stop": sorted(set(sampling.get("stop") or []) | set(g.stops()))},
+                                       "stop": sorted(set(sampling.get("stop") or []) | set(g.stops())),
+                                       "stop_token_ids": stop_ids},
                                     seed=turn_seed(ep.seed, len(ep.turns)), logprobs=0,
                                     include_stop_str_in_output=True, skip_special_tokens=False)
             request_id = f"ep{self._next_id}"
             self._next_id += 1
             live[request_id] = ep
-            self.engine.add_request(request_id, {"prompt_token_ids": ep.prompt_ids + ep.response_ids}, params)
+            ids = ep.prompt_ids + ep.response_ids
+            prompt = {"prompt_token_ids": self.vision.collapse(ids), "multi_modal_data": {"image": ep.images}} \
+                if ep.images else {"prompt_token_ids": ids}
+            self.engine.add_request(request_id, prompt, params)
 
         def on_generated(ep: Episode, out) -> str | None:
             """Record a finished generation; the action if the episode now waits on the environment."""
             seq = out.outputs[0]
             ids = list(seq.token_ids)
-            ep.extend(ids, [lp[t].logprob for lp, t in zip(seq.logprobs, ids)], by_policy=True)
+            logprobs = [lp[t].logprob for lp, t in zip(seq.logprobs, ids)]
+            if self.vision and ids and ids[-1] in self.vision.special_ids:  # dropped: it would be a fake image
+                ep.extend(ids[:-1], logprobs[:-1], by_policy=True)
+                ep.finish_reason = "vision_token"
+                return None
+            ep.extend(ids, logprobs, by_policy=True)
             asked = g.action_tag is not None and seq.finish_reason == "stop" and seq.stop_reason == g.action_close
             if not asked:
                 ep.finish_reason = seq.finish_reason or "length"
@@ -184,9 +277,8 @@ class EpisodeRunner:
             ep.turns.append(obs.record)
             if obs.record.get("error") is not None:
                 stats["env_errors"] += 1
-            ids = self.tokenizer.encode(g.wrap_observation(obs.text), add_special_tokens=False)
-            room = g.max_response_tokens - len(ep.response_ids)
-            ep.extend(ids[:min(g.max_observation_tokens, room)], [], by_policy=False)
+            limit = min(g.max_observation_tokens, g.max_response_tokens - len(ep.response_ids))
+            ep.extend(self.observation_ids(ep, obs, limit), [], by_policy=False)
             if obs.done:
                 ep.finish_reason = obs.record.get("finish", "environment")
             elif len(ep.response_ids) >= g.max_response_tokens:
@@ -237,9 +329,28 @@ class EpisodeRunner:
         stats["seconds"] = time.perf_counter() - start
         return stats
 
+    def observation_ids(self, ep: Episode, obs: Observation, limit: int) -> list[int]:
+        """The observation's tokens, at most `limit`: its images first inside the observation tags, then its text.
+        Images that fit join the episode's images (the next turns see them); one that does not is dropped whole."""
+        if not obs.images:
+            return self.tokenizer.encode(self.grammar.wrap_observation(obs.text), add_special_tokens=False)[:limit]
+        if self.vision is None:
+            raise ValueError(f"the environment returned {len(obs.images)} images for task {ep.task.get('id')!r}, "
+                             "but the policy model is text-only (no image processor)")
+        images = [rgb_array(im) for im in obs.images]
+        grids = [self.vision.grid(im) for im in images]
+        text = self.grammar.wrap_observation(self.vision.placeholder * len(images) + obs.text)
+        ids = self.vision.expand(self.tokenizer.encode(text, add_special_tokens=False), grids)
+        ids = ids[:self.vision.cut(ids, limit)]
+        kept = ids.count(self.vision.start_id)
+        ep.images += images[:kept]
+        ep.image_grids += grids[:kept]
+        return ids
+
 
 def to_trajectory(ep: Episode, tokenizer, version: int) -> Trajectory:
     return Trajectory(task=ep.task, group=ep.group, prompt_ids=ep.prompt_ids, response_ids=ep.response_ids,
                       logprobs=ep.logprobs, loss_mask=ep.loss_mask,
                       text=tokenizer.decode(ep.response_ids, skip_special_tokens=False),
-                      finish_reason=ep.finish_reason, weight_version=version, turns=ep.turns)
+                      finish_reason=ep.finish_reason, weight_version=version, turns=ep.turns,
+                      images=ep.images, image_grids=ep.image_grids)

@@ -49,7 +49,6 @@ class JudgeConfig(BaseModel):
     kv_cache_gb: float = Field(0.5, gt=0, description="vllm on CPU: KV-cache size")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
-    threads: int = Field(1, ge=1, description="torch/OpenMP threads inside the actor")
 
     @model_validator(mode="after")
     def _backend_fields(self):
@@ -132,8 +131,9 @@ def parse_with_retries(prompts: list[Messages], generate: Callable[[list[Message
 class JudgeActor:
     """An LLM judge: `generate` returns texts for a batch of chat prompts, `judge` returns parsed values."""
 
-    def __init__(self, config: dict):
-        self.cfg = JudgeConfig.model_validate(config)
+    def __init__(self, config: dict, threads: int = 1):
+        """`config`: a JudgeConfig as a dict; `threads`: torch/OpenMP threads (the role's cluster resources)."""
+        self.cfg, self.threads = JudgeConfig.model_validate(config), threads
         self.counts = {"calls": 0, "prompts": 0, "generations": 0, "retries": 0, "parse_failures": 0,
                        "truncated_prompts": 0, "seconds": 0.0}
         if self.cfg.backend == "vllm":
@@ -143,7 +143,7 @@ class JudgeActor:
 
     def _start_vllm(self) -> None:
         from cluster.devices import accelerator, pin_threads
-        pin_threads(self.cfg.threads)
+        pin_threads(self.threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM

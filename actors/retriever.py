@@ -13,15 +13,15 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.encoders import Encoder, load_encoder
-from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, prepare_for_search,
-                                    read_manifest, resolve_corpus, shard_dirs)
+from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, import_bm25s,
+                                    prepare_for_search, read_manifest, resolve_corpus, shard_dirs)
 from tasks.files import sha256_file
 
 
@@ -117,9 +117,9 @@ class LocalRetriever:
 
     def __init__(self, index_dir: str | os.PathLike, encoder: Encoder | str | None = None, corpus: str | None = None,
                  config: RetrievalConfig | dict | None = None):
-        import bm25s
         import faiss
 
+        bm25s = import_bm25s()
         self.index_dir = Path(index_dir)
         self.manifest = read_manifest(self.index_dir)
         if "shards" in self.manifest:
@@ -127,15 +127,21 @@ class LocalRetriever:
                              f"shard directory, or search them all with ShardedRetriever")
         self.config = config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))
         built = self.manifest["encoder"]
-        if not isinstance(encoder, Encoder):
+        if built is None:  # a BM25-only index
+            if self.config.mode != "sparse":
+                raise ValueError(f"{index_dir} is a sparse-only index (built with kind 'none'); search it with "
+                                 f"mode 'sparse', or build a dense one for mode {self.config.mode!r}")
+            encoder = None
+        elif not isinstance(encoder, Encoder):
             encoder = load_encoder(encoder or built["source"], pooling=built["pooling"], max_length=built["max_length"])
         self.encoder = encoder
         corpus_sha256 = sha256_file(resolve_corpus(corpus)) if corpus else None
-        check_manifest(self.manifest, self.index_dir, encoder.identity, corpus_sha256)
+        check_manifest(self.manifest, self.index_dir, encoder and encoder.identity, corpus_sha256)
         self.docs = DocStore(self.index_dir)
         overrides = {k: v for k, v in {"ef_search": self.config.ef_search, "nprobe": self.config.nprobe}.items() if v}
         index_config = IndexConfig(**{**self.manifest["index"], **overrides})
-        self.dense = prepare_for_search(faiss.read_index(str(self.index_dir / "dense.faiss")), index_config)
+        self.dense = None if encoder is None else \
+            prepare_for_search(faiss.read_index(str(self.index_dir / "dense.faiss")), index_config)
         self.bm25 = bm25s.BM25.load(self.index_dir / "bm25", mmap=True, show_progress=False)
         self.cache = LRUCache(self.config.cache_size)
         self.queries_served = 0
@@ -231,16 +237,18 @@ class ShardedRetriever:
     """One :class:`Retriever` actor per shard of an index; queries go to every shard and the top-k lists are merged.
 
     Holds only actor handles, so it can be passed to other actors. ``actor_options`` go to ``Retriever.options``
-    (num_cpus, num_gpus, scheduling_strategy, ...); ``retriever_kwargs`` to each actor (encoder, corpus, config).
+    (num_cpus, num_gpus, scheduling_strategy, ...): one dict for every shard, or a function of the shard number (e.g.
+    its placement bundle); ``retriever_kwargs`` go to each actor (encoder, corpus, config).
     """
 
-    def __init__(self, index_dir: str | os.PathLike, *, threads: int = 1, actor_options: dict | None = None,
-                 **retriever_kwargs):
+    def __init__(self, index_dir: str | os.PathLike, *, threads: int = 1,
+                 actor_options: dict | Callable[[int], dict] | None = None, **retriever_kwargs):
         config = retriever_kwargs.get("config")
         self.top_k = (config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))).top_k
-        options = {"num_cpus": 1, **(actor_options or {})}
-        self.actors = [Retriever.options(**options).remote(str(d), threads=threads, **retriever_kwargs)
-                       for d in shard_dirs(index_dir)]
+        options_of = actor_options if callable(actor_options) else lambda i: actor_options or {}
+        self.actors = [Retriever.options(**{"num_cpus": 1, **options_of(i)}).remote(str(d), threads=threads,
+                                                                                  **retriever_kwargs)
+                       for i, d in enumerate(shard_dirs(index_dir))]
 
     def search_async(self, queries: list[str], top_k: int | None = None) -> ray.ObjectRef:
         """An ObjectRef to the merged results, so rollouts can keep generating while retrieval runs."""

@@ -6,10 +6,37 @@ import time
 
 import ray
 
-from actors.environment import Environment, Episode, EpisodeRunner, Grammar, derive_seed, to_trajectory
+from actors.environment import (Environment, Episode, EpisodeRunner, Grammar, ImageTokens, derive_seed, rgb_array,
+                                to_trajectory)
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
 from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], num_images: int = 0) -> list[int]:
+    """The chat template's ids; `num_images` placeholders (one pad each) open the first user message, where task
+    images attach (tasks/schema.py)."""
+    if num_images:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        parts = [{"type": "image"}] * num_images + [{"type": "text", "text": messages[first]["content"]}]
+        messages = [*messages[:first], {**messages[first], "content": parts}, *messages[first + 1:]]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def task_prompt(task: dict, tokenizer, vision: ImageTokens | None) -> tuple[list[int], list, list]:
+    """A task's prompt ids with each image's full run of pads, its images (RGB arrays) and their patch grids."""
+    from PIL import Image
+
+    paths = task.get("images") or []
+    if paths and vision is None:
+        raise ValueError(f"task {task.get('id')!r} has {len(paths)} images but the policy model is text-only")
+    images = []
+    for path in paths:
+        with Image.open(path) as image:
+            images.append(rgb_array(image))
+    grids = [vision.grid(im) for im in images]
+    ids = chat_prompt_ids(tokenizer, task["messages"], len(images))
+    return (vision.expand(ids, grids) if images else ids), images, grids
 
 
 @ray.remote(max_restarts=3, max_task_retries=0)
@@ -23,7 +50,7 @@ class RolloutWorker:
     def __init__(self, model_path: str, *, seed: int, threads: int, dtype: str = "float32",
                  max_model_len: int = 1024, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
                  logprobs_mode: str = "processed_logprobs", version: int = 0, grammar: dict | None = None,
-                 environment: Environment | None = None):
+                 environment: Environment | None = None, max_images: int = 8):
         pin_threads(threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -33,7 +60,12 @@ class RolloutWorker:
         # On CPU a fixed KV-cache size; vLLM's fraction-of-memory reservation fails whenever other actors hold memory.
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if self.device == "cpu" else \
             {"gpu_memory_utilization": gpu_memory_utilization}
-        self.llm = LLM(model=model_path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+        # A multimodal policy (Qwen2-VL family): images per prompt (the task's and the environment's), no video.
+        self.vision = ImageTokens.for_model(model_path)
+        if self.vision is not None:
+            memory["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
+        # load_format: weights only from safetensors, never unpickled from .bin/.pt files in a model directory.
+        self.llm = LLM(model=model_path, load_format="safetensors", dtype=dtype, seed=seed, max_model_len=max_model_len,
                        distributed_executor_backend="uni", enforce_eager=True, enable_prefix_caching=True,
                        logprobs_mode=logprobs_mode, **memory,
                        # Chunked prefill rewinds per-request generators, which CPU generators cannot do
@@ -41,15 +73,14 @@ class RolloutWorker:
                        enable_chunked_prefill=False)
         self.tokenizer = self.llm.get_tokenizer()
         self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}),
-                                    environment)
+                                    environment, self.vision)
         self.version = version  # the learner version whose weights the engine holds
 
     def ready(self) -> dict:
         return {"device": self.device, "version": self.version, "pid": os.getpid()}
 
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False)
+        return chat_prompt_ids(self.tokenizer, messages)
 
     def generate(self, prompt_ids: list[list[int]], sampling: dict, seeds: list[int]) -> list[dict]:
         """One sample per prompt, each with its own seed (so results do not depend on batching or on which
@@ -68,27 +99,56 @@ class RolloutWorker:
         return results
 
     def rollout(self, tasks: list[dict], groups: list[int], group_size: int, sampling: dict,
-                seed: int) -> tuple[list[Trajectory], dict]:
-        """`group_size` episodes of each task, single- or multi-turn as the grammar says. Sample j of group g
-        uses seed hash(seed, g, j), so a step's samples are reproducible whatever the worker count."""
+                seed: int, grammar: dict | None = None,
+                answer_logprobs: bool = False) -> tuple[list[Trajectory], dict]:
+        """`group_size` episodes of each task, single- or multi-turn as the grammar says (`grammar`: this stage's,
+        when it differs from the one the worker started with). Sample j of group g uses seed hash(seed, g, j), so a
+        step's samples are reproducible whatever the worker count. `answer_logprobs`: also read the gold answer's
+        log-probability after `<answer>` with and without the retrieved text (Med-RwR's confidence gain)."""
+        if grammar is not None and Grammar.model_validate(grammar) != self.runner.grammar:
+            self.runner.grammar = Grammar.model_validate(grammar)
         episodes = []
         for task, g in zip(tasks, groups):
-            ids = self.chat_prompt_ids(task["messages"])
-            episodes += [Episode(task=task, group=g, seed=derive_seed(seed, g, j), prompt_ids=ids)
-                         for j in range(group_size)]
+            ids, images, grids = task_prompt(task, self.tokenizer, self.vision)
+            episodes += [Episode(task=task, group=g, seed=derive_seed(seed, g, j), prompt_ids=ids,
+                                 images=list(images), image_grids=list(grids)) for j in range(group_size)]
         stats = self.runner.run(episodes, sampling)
         trajectories = [to_trajectory(ep, self.tokenizer, self.version) for ep in episodes]
+        if answer_logprobs:
+            self._add_answer_logprobs(trajectories)
         summary = {**stats, "lengths": [len(t.response_ids) for t in trajectories],
                    "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
                    "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version}
         return trajectories, summary
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token_t | tokens_<t) under the engine's current weights, for t >= 1 of each sequence."""
+    def _add_answer_logprobs(self, trajectories: list[Trajectory]) -> None:
+        """Fill `answer_logprobs` of every trajectory that retrieved and answered (see rewards/confidence.py)."""
+        from rewards.confidence import answer_probe_sequences
+
+        answer_open = self.tokenizer.convert_tokens_to_ids(f"<{self.runner.grammar.answer_tag}>")
+        probes, images, owners = [], [], []
+        for t in trajectories:
+            gold = self.tokenizer.encode(str(t.task.get("answer", "")), add_special_tokens=False)
+            pair = answer_probe_sequences(t.prompt_ids, t.response_ids, t.loss_mask, answer_open, gold[0]) \
+                if gold else None
+            if pair:
+                probes += pair
+                images += [t.images, t.images[:len(t.task.get("images") or [])]]
+                owners.append(t)
+        if probes:
+            last = [lps[-1] for lps in self.prompt_logprobs(probes, images)]
+            for i, t in enumerate(owners):
+                t.answer_logprobs = {"with": last[2 * i], "without": last[2 * i + 1]}
+
+    def prompt_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        """log p(token_t | tokens_<t) under the engine's current weights, for t >= 1 of each sequence.
+        `images[i]`: the images of sequence i (a trajectory's `images`; its ids hold their full pad runs)."""
         from vllm import SamplingParams, TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in sequences], params, use_tqdm=False)
+        prompts = [TokensPrompt(prompt_token_ids=self.vision.collapse(s), multi_modal_data={"image": im}) if im
+                   else TokensPrompt(prompt_token_ids=s) for s, im in zip(sequences, images or [None] * len(sequences))]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
     def update_weights(self, manifest: WeightManifest) -> float:

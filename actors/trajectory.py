@@ -12,6 +12,10 @@ class Trajectory:
     observations); `loss_mask` is 1 exactly on the tokens the policy wrote, and `logprobs` are the behaviour
     policy's log-probabilities of those tokens (0 elsewhere). `weight_version` is the learner version whose
     weights sampled it.
+
+    With a multimodal policy, each image the sequence shows (the task's, then the environment's, in order) is a full
+    run of `<|image_pad|>` tokens in the ids, and `images` holds its RGB uint8 array (a group's rollouts share the
+    task's arrays, which pickle once) with `image_grids` its patch grid: what the learner needs to re-run the forward.
     """
     task: dict                       # the task record: id, messages, answer, options, images, references, metadata
     group: int                       # index of the prompt within the step's batch; rollouts of a group share it
@@ -23,6 +27,10 @@ class Trajectory:
     finish_reason: str               # "stop", "length", or the environment's reason (turn limit, budget)
     weight_version: int
     turns: list[dict] = field(default_factory=list)   # queries, retrieved chunks, tool calls, observations
+    images: list = field(default_factory=list)        # np.uint8 [H, W, 3] per image, in token order
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # (t, h, w) patches per image
+    # log p(gold answer token) right after <answer>, with and without the retrieved text (Med-RwR confidence gain)
+    answer_logprobs: dict | None = None
 
     @property
     def num_policy_tokens(self) -> int:

@@ -20,6 +20,21 @@ WORKER_ENV = {
 }
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def keep_ray_on_loopback() -> None:
+    """Make a locally started Ray advertise and listen on loopback only.
+
+    ray.init replaces a loopback `_node_ip_address` with the machine's routable address (for clusters), and its GCS,
+    raylet, worker and agent servers then listen on that address or on every interface. Ray keeps loopback only where
+    it treats the machine as a single-node platform (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read at import in this
+    process and by the processes it starts), which is what a private local Ray is."""
+    import ray._private.ray_constants as ray_constants
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def start_or_join(cfg: ClusterConfig, runtime_env: dict | None = None) -> dict:
     """Join the cluster at `cfg.address` or RAY_ADDRESS (set by `ray job submit`); else start a local Ray bound
     to `cfg.host` (loopback by default). Returns the cluster's resources."""
@@ -34,6 +49,8 @@ def start_or_join(cfg: ClusterConfig, runtime_env: dict | None = None) -> dict:
     elif address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
+        if cfg.host in LOOPBACK:
+            keep_ray_on_loopback()
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
                  dashboard_host=cfg.host, _node_ip_address=cfg.host, runtime_env=env, log_to_driver=True)
     resources = ray.cluster_resources()

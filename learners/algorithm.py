@@ -118,3 +118,16 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         per_token = per_token + kl_beta * kl
         stats["kl_sum"] = (kl.detach() * mask).sum().item()
     return aggregate_loss(per_token, mask, loss_agg, global_denominator), stats
+
+
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor,
+             global_denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+    """Supervised fine-tuning on demonstrations: the negative log-likelihood of the policy's tokens, token-mean.
+
+        L = - sum_{i,t} m_it log p(x_it | x_i,<t) / N,   N = sum m (the whole batch's, via `global_denominator`)
+
+    The mask is the one RL uses, so the prompt and every token the environment inserted (retrieved text, tool
+    observations) are context, never targets (as in the cold starts of MedVistaGym and ARMed's SFT stage).
+    """
+    return aggregate_loss(-logp, mask, "token_mean", global_denominator), \
+        {"mask_sum": mask.sum().item(), "clip_sum": 0.0, "kl_sum": 0.0}

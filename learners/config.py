@@ -6,12 +6,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from actors.branching import EVRConfig
 from actors.environment import Grammar
+from actors.gym import ToolsConfig
+from actors.judge import JudgeConfig
+from actors.retrieval_index import IndexConfig
+from actors.retriever import RetrievalConfig
 
 
 class Strict(BaseModel):
@@ -34,6 +39,9 @@ class ClusterConfig(Strict):
     rollout: ActorResources = ActorResources(threads=2)
     learner: ActorResources = ActorResources(num=2, num_cpus=0.25)
     reward: ActorResources = ActorResources(num_cpus=0.25)
+    retriever: ActorResources = Field(ActorResources(num_cpus=0.25),
+                                      description="one Retriever actor per index shard (num = retrieval.shards)")
+    judge: ActorResources = Field(ActorResources(num_cpus=0.25), description="the JudgeActor (judge section); num 1")
     weight_sync: Literal["auto", "object_store", "collective"] = Field(
         "auto", description="learner -> rollout transport; auto: collective (NCCL) with GPUs, else the object store")
     sync_bucket_mb: float = Field(256.0, gt=0, description="object-store bucket size: bounds peak extra memory")
@@ -62,6 +70,8 @@ class TinyModelConfig(Strict):
 
 class ModelConfig(Strict):
     path: str | None = Field(None, description="local Hugging Face model directory; null builds the tiny model")
+    size_hint_b: float | None = Field(None, gt=0, description="parameters (billions) for --dry-run's memory estimate "
+                                                               "where model.path is not readable")
     tiny: TinyModelConfig = TinyModelConfig()
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -83,6 +93,7 @@ class RolloutConfig(Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = 1024
     grammar: Grammar = Grammar()
+    evr: EVRConfig = Field(EVRConfig(), description="MedVR's entropy-guided branching inside tool arguments")
     fidelity_check_every: int = Field(0, ge=0, description="every N steps compare engine and learner logprobs (0: off)")
     fidelity_tolerance: float = 1e-4
 
@@ -108,6 +119,26 @@ class LearnerConfig(Strict):
     gradient_checkpointing: bool = False
 
 
+class RetrievalSection(Strict):
+    """The knowledge base the policy queries when the grammar has an action tag: indexed on first use (cached; rebuilt
+    when corpus, encoder or settings change) and served by Retriever actors, one per shard."""
+    kb: str = Field("hpo", description="chunks JSONL (id, doc_id, title, text, source), or 'hpo'")
+    index_dir: str | None = Field(None, description="default: <medray cache>/indexes/<kb>-<kind>-<hash>")
+    index: IndexConfig = Field(IndexConfig(kind="none"),
+                               description="kind none: BM25 only (seconds to build); flat/hnsw/ivfpq encode the KB")
+    encoder: str = Field("minilm", description="local HF / sentence-transformers directory, or 'minilm'")
+    search: RetrievalConfig = RetrievalConfig(mode="sparse", top_k=3)
+    shards: int = Field(1, ge=1)
+    timeout_s: float = Field(60.0, gt=0, description="a slower search becomes an error observation")
+
+    @model_validator(mode="after")
+    def _mode_needs_vectors(self):
+        if self.index.kind == "none" and self.search.mode != "sparse":
+            raise ValueError(f"search.mode {self.search.mode!r} needs a dense index; set index.kind to flat, hnsw "
+                             f"or ivfpq, or search.mode to sparse")
+        return self
+
+
 class RewardSpec(Strict):
     name: str
     weight: float = 1.0
@@ -118,6 +149,45 @@ class RewardsConfig(Strict):
     components: list[RewardSpec] = Field(..., min_length=1)
     on_error: Literal["fail", "zero"] = Field("fail", description="a failed component fails the step, or scores 0")
     timeout_s: float = Field(120.0, gt=0)
+
+
+class SFTConfig(Strict):
+    """Supervised fine-tuning data of an `sft` stage: cross-entropy on the policy's tokens, with the same masks as RL
+    (retrieved text and tool observations are never targets)."""
+    data: str = Field(..., description="JSONL of demonstrations {task, segments: [{role: policy|environment, text}]}"
+                                       " (python -m tasks.expert writes them), or 'self': the policy's own rollouts on "
+                                       "representative questions of data.train (ARMed's knowledge injection)")
+    batch_size: int = Field(32, ge=1, description="demonstrations per optimizer step")
+    shuffle: bool = True
+    min_answer_frequency: int = Field(1, ge=0, description="self: tau, answers occurring more often form D_core")
+    clusters: int = Field(64, ge=1, description="self: K-means clusters over D_core = representative questions")
+    samples: int = Field(4, ge=1, description="self: rollouts per representative question")
+
+
+#: Sections a stage may change, and single keys of others (MedVistaGym's SFT runs at 10x its RL learning rate); the
+#: rest (cluster, model, the learner's other keys, retrieval, ...) hold for the whole run.
+STAGE_SECTIONS = ("data", "rollout", "algorithm", "rewards")
+STAGE_KEYS = ("learner.lr",)
+
+
+class StageConfig(Strict):
+    """One stage of a multi-stage run (Med-R3: reasoner, retriever, joint; ARMed: RL, SFT, RL; MedVistaGym: SFT, RL)."""
+    name: str
+    kind: Literal["grpo", "sft"] = "grpo"
+    steps: int = Field(..., ge=1)
+    sft: SFTConfig | None = None
+    set: dict[str, Any] = Field(default_factory=dict,
+                                description="dotted keys of data/rollout/algorithm/rewards replaced in this stage")
+
+    @model_validator(mode="after")
+    def _kind_has_data(self):
+        if (self.kind == "sft") != (self.sft is not None):
+            raise ValueError("an sft stage needs an sft section (and only an sft stage has one)")
+        bad = [k for k in self.set if k.split(".")[0] not in STAGE_SECTIONS and k not in STAGE_KEYS]
+        if bad:
+            raise ValueError(f"set: {bad} cannot change between stages; a stage may set keys of {STAGE_SECTIONS} "
+                             f"and {STAGE_KEYS}")
+        return self
 
 
 class CheckpointConfig(Strict):
@@ -140,11 +210,17 @@ class RunConfig(Strict):
     model: ModelConfig = ModelConfig()
     data: DataConfig
     rollout: RolloutConfig = RolloutConfig()
+    retrieval: RetrievalSection | None = Field(None, description="needed when rollout.grammar has an action tag")
+    judge: JudgeConfig | None = Field(None, description="an LLM judge (JudgeActor) for judge-based rewards")
+    tools: ToolsConfig | None = Field(None, description="a tool Gym the policy calls through the grammar's action tag "
+                                                        "(MedVR, MedVistaGym); replaces retrieval as the environment")
     algorithm: AlgorithmConfig = AlgorithmConfig()
     learner: LearnerConfig = LearnerConfig()
     rewards: RewardsConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
     logging: LoggingConfig = LoggingConfig()
+    stages: list[StageConfig] = Field(default_factory=list,
+                                      description="empty: one GRPO stage of total_steps; else steps must sum to it")
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
@@ -155,10 +231,46 @@ class RunConfig(Strict):
         if batch % ranks:
             raise ValueError(f"rollout batch {batch} (prompts_per_step x group_size) must divide over "
                              f"{ranks} learner ranks (cluster.learner.num)")
+        if self.rollout.grammar.action_tag and self.retrieval is None and self.tools is None:
+            raise ValueError(f"rollout.grammar.action_tag <{self.rollout.grammar.action_tag}> needs an environment: "
+                             f"add a retrieval or a tools section")
+        if self.stages and sum(s.steps for s in self.stages) != self.total_steps:
+            raise ValueError(f"stages last {sum(s.steps for s in self.stages)} steps in all but total_steps is "
+                             f"{self.total_steps}")
+        for stage in self.stages:
+            if stage.sft and stage.sft.batch_size % ranks:
+                raise ValueError(f"stage {stage.name!r}: sft.batch_size {stage.sft.batch_size} must divide over "
+                                 f"{ranks} learner ranks")
+        if self.rollout.evr.enabled and (not self.rollout.grammar.action_tag or self.rollout.group_size < 2):
+            raise ValueError("rollout.evr needs a grammar with an action tag (tool calls to branch in) and "
+                             "group_size >= 2 (half of each group is the base set, half the branching budget)")
+        if self.judge is not None and self.cluster.judge.num != 1:
+            raise ValueError("cluster.judge.num must be 1: one JudgeActor serves every reward actor (by name)")
+        if self.retrieval is not None and self.cluster.retriever.num != self.retrieval.shards:
+            raise ValueError(f"cluster.retriever.num ({self.cluster.retriever.num}) must equal retrieval.shards "
+                             f"({self.retrieval.shards}): one Retriever actor serves one shard")
         return self
 
     def dump(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
+
+    def stage_plan(self) -> list[StageConfig]:
+        """The run's stages; a config without any is one GRPO stage of total_steps."""
+        return self.stages or [StageConfig(name="grpo", steps=self.total_steps)]
+
+    def for_stage(self, index: int) -> "RunConfig":
+        """This config as stage `index` runs it: the stage's `set` keys applied, validated again."""
+        stage = self.stage_plan()[index]
+        raw = self.dump()
+        for key, value in stage.set.items():
+            node = raw
+            *parents, leaf = key.split(".")
+            for part in parents:
+                if not isinstance(node.get(part), dict):
+                    raise ValueError(f"stages[{index}].set: {key!r}: {part!r} is not a section")
+                node = node[part]
+            node[leaf] = value
+        return RunConfig.model_validate(raw)
 
 
 class ConfigError(ValueError):
@@ -213,15 +325,23 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig
     overridden = set()
     for text_override in overrides:
         keys, value = parse_override(text_override)
+        keys = [int(k) if k.isdigit() else k for k in keys]  # list items by position: rewards.components.1.weight=2
         node = raw
         for k in keys[:-1]:
-            if not isinstance(node.get(k, {}), dict):
+            if isinstance(node, list):
+                if not isinstance(k, int) or k >= len(node):
+                    raise ConfigError(f"override {text_override!r}: no item {k!r} in a list of {len(node)}")
+                node = node[k]
+            elif not isinstance(node.get(k, {}), (dict, list)):
                 raise ConfigError(f"override {text_override!r}: {k!r} is not a section")
-            node = node.setdefault(k, {})
+            else:
+                node = node.setdefault(k, {})
+        if isinstance(node, list) and not (isinstance(keys[-1], int) and keys[-1] < len(node)):
+            raise ConfigError(f"override {text_override!r}: no item {keys[-1]!r} in a list of {len(node)}")
         node[keys[-1]] = value
         overridden.add(tuple(keys))
     try:
-        return RunConfig.model_validate(raw)
+        cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
         problems = []
         for err in e.errors():
@@ -234,3 +354,12 @@ def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig
                 origin = f"line {line}" if line else "not set in file"
             problems.append(f"  {where} ({origin}): {err['msg']}")
         raise ConfigError(f"{path}: invalid config\n" + "\n".join(problems)) from None
+    for i, stage in enumerate(cfg.stages):
+        try:
+            cfg.for_stage(i)
+        except (ValidationError, ValueError) as e:
+            line = _line_of(root, ("stages", i, "set"))
+            detail = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()) \
+                if isinstance(e, ValidationError) else str(e)
+            raise ConfigError(f"{path}: stages[{i}] ({stage.name}) set (line {line}): {detail}") from None
+    return cfg

@@ -31,10 +31,18 @@ def resolve_tasks_path(spec: str) -> Path:
 
 def load_tasks(spec: str) -> list[dict]:
     """Task records as plain dicts (they travel to actors); malformed lines raise naming file and line.
-    Relative image paths are resolved against the task file's directory."""
-    from tasks.schema import read_tasks, resolve_image_paths
+    Relative image paths are resolved against the task file's directory, and every image must exist (checked here,
+    so a wrong path fails before any actor starts, naming the file, the task and the field)."""
+    from tasks.schema import TaskFormatError, read_tasks, resolve_image_paths
     path = resolve_tasks_path(spec)
-    return [resolve_image_paths(t, path.parent).model_dump(mode="json") for t in read_tasks(path)]
+    tasks = [resolve_image_paths(t, path.parent) for t in read_tasks(path)]
+    if not tasks:
+        raise TaskFormatError(f"{path}: no tasks (the file has no non-blank lines)")
+    for task in tasks:
+        for i, image in enumerate(task.images):
+            if not Path(image).is_file():
+                raise TaskFormatError(f"{path}: task {task.id!r}: field 'images.{i}': image not found: {image}")
+    return [t.model_dump(mode="json") for t in tasks]
 
 
 class PromptSampler:
@@ -59,3 +67,64 @@ class PromptSampler:
             epoch, offset = divmod(position, self.n)
             indices.append(int(self._epoch_order(epoch)[offset]))
         return indices
+
+
+def read_demonstrations(path: str | Path) -> list[dict]:
+    """SFT demonstrations, one JSON object per line: {"task": {..., "messages": [...]}, "segments": [{"role":
+    "policy" | "environment", "text": str}, ...]}. A malformed line raises naming file, line and field."""
+    import json
+
+    from tasks.schema import TaskFormatError
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"sft.data: {path} does not exist (python -m tasks.expert writes demonstrations)")
+    demos = []
+    with open(path, encoding="utf-8", errors="strict") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            problem = _demonstration_problem(row)
+            if problem:
+                raise TaskFormatError(f"{path}:{lineno}: {problem}")
+            demos.append(row)
+    if not demos:
+        raise TaskFormatError(f"{path}: no demonstrations")
+    return demos
+
+
+def _demonstration_problem(row) -> str | None:
+    if not isinstance(row, dict):
+        return "a demonstration must be a JSON object"
+    task = row.get("task")
+    if not isinstance(task, dict) or not isinstance(task.get("messages"), list) or not task["messages"]:
+        return "field 'task.messages': a non-empty list of chat messages is required"
+    segments = row.get("segments")
+    if not isinstance(segments, list) or not segments:
+        return "field 'segments': a non-empty list is required"
+    for i, seg in enumerate(segments):
+        if not isinstance(seg, dict) or seg.get("role") not in ("policy", "environment") \
+                or not isinstance(seg.get("text"), str):
+            return f"field 'segments.{i}': needs role 'policy' or 'environment' and a text string"
+    if not any(seg["role"] == "policy" for seg in segments):
+        return "field 'segments': no policy segment, nothing to learn"
+    return None
+
+
+def demonstration_trajectory(demo: dict, tokenizer, group: int):
+    """A demonstration as a Trajectory the learner trains on: the chat prompt, then each segment tokenised on its
+    own (as the rollout engine appends the environment's observations), loss mask 1 on policy segments only."""
+    from actors.trajectory import Trajectory
+    prompt = tokenizer.apply_chat_template(demo["task"]["messages"], add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)
+    ids, mask = [], []
+    for seg in demo["segments"]:
+        tokens = tokenizer.encode(seg["text"], add_special_tokens=False)
+        ids += tokens
+        mask += [int(seg["role"] == "policy")] * len(tokens)
+    return Trajectory(task=demo["task"], group=group, prompt_ids=list(prompt), response_ids=ids,
+                      logprobs=[0.0] * len(ids), loss_mask=mask, text="".join(s["text"] for s in demo["segments"]),
+                      finish_reason="demonstration", weight_version=-1)

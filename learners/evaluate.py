@@ -1,12 +1,19 @@
 """Score a checkpoint on a task split through rollout workers.
 
     python -m learners.evaluate --config configs/quickstart.yaml --checkpoint outputs/quickstart/checkpoints/latest \
-        --data hpo:mcq_test [--limit 200] [--out DIR] [dotted.key=value ...]
+        --data hpo:mcq_test [--limit 200] [--out DIR] [--cdir [--image-index DIR] [--cdir-threshold 0.8]] \
+        [dotted.key=value ...]
 
 The config supplies the grammar (retrieval, turn limits), resources and sampling length; decoding is greedy.
 Multiple choice: accuracy with a 95% Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a
 95% normal interval. Both: format rate, response length, environment calls and errors per sample. Writes
 `eval.json` and `eval.md` into --out (default: <checkpoint>/eval).
+
+`--cdir` adds Med-RwR's test-time image re-retrieval (learners/cdir.py) over an image index (`--image-index`, built by
+`python -m actors.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first
+use): the report gains its rows (how often it fired; accuracy and confidence before and after). The metrics above are
+those of the first answers. A text-only policy on an imaging task reads the question without its images (it cannot
+take them); CDIR still retrieves by the task's image and shows the similar case's caption.
 """
 from __future__ import annotations
 
@@ -69,36 +76,62 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
 def markdown(metrics: dict, title: str) -> str:
     rows = ["| metric | value | 95% interval |", "|---|---|---|"]
     for name, value in metrics.items():
+        if name == "cdir":
+            continue
         if isinstance(value, dict):
             rows.append(f"| {name} | {value['mean']:.4f} | [{value['low']:.4f}, {value['high']:.4f}] |")
         else:
             rows.append(f"| {name} | {value:.4g} | |" if isinstance(value, float) else f"| {name} | {value} | |")
-    return f"## {title}\n\n" + "\n".join(rows) + "\n"
+    text = f"## {title}\n\n" + "\n".join(rows) + "\n"
+    return text + (cdir_markdown(metrics["cdir"]) if "cdir" in metrics else "")
 
 
-def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int = 64) -> dict:
-    """Greedy episodes for every task of `data` on rollout workers loaded from `checkpoint`, then their metrics."""
+def cdir_markdown(summary: dict) -> str:
+    """The CDIR rows: how often it fired, and accuracy and mean confidence before -> after, on all and on fired."""
+    def fmt(value):
+        return "-" if value is None else f"{value:.4f}"
+
+    rows = ["| CDIR | before | after |", "|---|---|---|",
+            f"| fired (eta < {summary['threshold']}) | {summary['fired']} of {summary['n']} "
+            f"({summary['fire_rate']:.1%}) | |",
+            f"| episodes without an answer token (never fire) | {summary['without_confidence']} | |"]
+    for label, key in (("accuracy", "accuracy"), ("mean confidence", "confidence"),
+                       ("accuracy, fired only", "fired_accuracy"), ("mean confidence, fired only", "fired_confidence")):
+        rows.append(f"| {label} | {fmt(summary[key + '_before'])} | {fmt(summary[key + '_after'])} |")
+    return "\n### CDIR (Med-RwR test-time image re-retrieval)\n\n" + "\n".join(rows) + "\n"
+
+
+def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int = 64, cdir: bool = False,
+             image_index: str | None = None, cdir_threshold: float = 0.8) -> dict:
+    """Greedy episodes for every task of `data` on rollout workers loaded from `checkpoint`, then their metrics;
+    with `cdir`, Med-RwR's image re-retrieval over `image_index` afterwards, its summary under "cdir"."""
     import ray
     from tqdm import tqdm
 
+    from actors.environment import ImageTokens
     from actors.rollout_worker import RolloutWorker
+    from cluster.environments import environment_roles, start_environment
     from cluster.placement import place
     from cluster.ray_session import start_or_join
     from learners.data import load_tasks
 
     start_or_join(cfg.cluster)
     tasks = load_tasks(data)[:limit]
-    placement = place(cfg.cluster, roles=("rollout",))
+    text_only = ImageTokens.for_model(checkpoint) is None
+    shown = [{**t, "images": []} if text_only else t for t in tasks]  # a text-only policy cannot take images
+    placement = place(cfg.cluster, roles=("rollout",) + environment_roles(cfg))
+    environment = start_environment(cfg, placement)
     workers = [RolloutWorker.options(**placement.options("rollout", i, f"EvalRolloutWorker-{i}")).remote(
         checkpoint, seed=cfg.seed, threads=cfg.cluster.rollout.threads, dtype=cfg.model.dtype,
         max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
-        grammar=cfg.rollout.grammar.model_dump()) for i in range(cfg.cluster.rollout.num)]
+        grammar=cfg.rollout.grammar.model_dump(), environment=environment) for i in range(cfg.cluster.rollout.num)]
+    image_retriever = None
     sampling = {"temperature": 0.0, "max_tokens": cfg.rollout.max_new_tokens, "stop": cfg.rollout.stop}
     trajectories, summaries = [], []
     try:
         with tqdm(total=len(tasks), desc="evaluate", unit="task") as bar:
             for start in range(0, len(tasks), batch_size * len(workers)):
-                batch = tasks[start:start + batch_size * len(workers)]
+                batch = shown[start:start + batch_size * len(workers)]
                 chunks = np.array_split(np.arange(len(batch)), len(workers))
                 refs = [w.rollout.options(num_returns=2).remote([batch[i] for i in c], c.tolist(), 1, sampling,
                                                                 cfg.seed)
@@ -107,11 +140,27 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
                     trajectories += ray.get(traj_ref)
                     summaries.append(ray.get(summary_ref))
                 bar.update(len(batch))
+        for traj, task in zip(trajectories, tasks):
+            traj.task = task  # scoring and CDIR read the task as written, images included
+        metrics = score(trajectories, summaries)
+        if cdir:
+            from transformers import AutoTokenizer
+
+            from actors.image_index import ImageRetriever, ensure_image_index
+            from learners.cdir import apply_cdir
+
+            index_dir = image_index or str(ensure_image_index(progress=True))
+            image_retriever = ImageRetriever.options(num_cpus=0, name="EvalImageRetriever-0").remote(index_dir)
+            _, metrics["cdir"] = apply_cdir(trajectories, workers, image_retriever,
+                                            AutoTokenizer.from_pretrained(checkpoint), cfg.rollout.grammar, sampling,
+                                            cfg.seed, cdir_threshold)
+            metrics["cdir"]["image_index"] = index_dir
     finally:
-        for w in workers:
-            ray.kill(w)
+        for actor in workers + (environment.actors() if environment else []) + \
+                ([image_retriever] if image_retriever else []):
+            ray.kill(actor)
         placement.remove()
-    return score(trajectories, summaries)
+    return metrics
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,10 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="JSONL of task records or hpo:<split>")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cdir", action="store_true", help="Med-RwR confidence-driven image re-retrieval")
+    parser.add_argument("--image-index", default=None, help="image index dir (python -m actors.image_index); "
+                                                            "default: the imaging world's, built on first use")
+    parser.add_argument("--cdir-threshold", type=float, default=0.8, help="re-retrieve when confidence is below")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if (args.image_index or args.cdir_threshold != 0.8) and not args.cdir:
+        parser.error("--image-index and --cdir-threshold need --cdir")
     cfg = load_config(args.config, args.overrides)
-    metrics = evaluate(cfg, args.checkpoint, args.data, args.limit)
+    metrics = evaluate(cfg, args.checkpoint, args.data, args.limit, cdir=args.cdir, image_index=args.image_index,
+                       cdir_threshold=args.cdir_threshold)
     out = Path(args.out or Path(args.checkpoint).resolve() / "eval")
     out.mkdir(parents=True, exist_ok=True)
     (out / "eval.json").write_text(json.dumps({"checkpoint": args.checkpoint, "data": args.data, **metrics}, indent=1))

@@ -9,6 +9,7 @@ import time
 import ray
 import torch
 
+from actors.environment import ImageTokens
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, init_deepspeed_distributed, pin_threads
 from learners import algorithm as algo
@@ -19,14 +20,40 @@ def load_causal_lm(path: str, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     config = AutoConfig.from_pretrained(path)
     cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    return cls.from_pretrained(path, dtype=dtype)
+    return cls.from_pretrained(path, dtype=dtype, use_safetensors=True)  # never unpickle weights from a path
 
 
-def pad_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
+def image_inputs(input_ids: torch.Tensor, images: list, vision: ImageTokens | None,
+                 grids: list | None = None) -> dict[str, torch.Tensor]:
+    """The forward's image arguments for `input_ids` [B, L] whose pad runs show `images` (in order): pixels made by
+    the processor the rollout engine used, from the same arrays, so the forward sees what vLLM saw. `grids`: the
+    patch grids the rollout recorded; another processor would break the token alignment.
+
+    `mm_token_type_ids` (1 on image tokens) is what makes transformers give image tokens their 3-D M-RoPE positions
+    (Qwen2-VL); without it the forward silently uses 1-D positions and disagrees with vLLM after the first image.
+    """
+    if not images:
+        return {}
+    out = vision.image_processor(images=images, return_tensors="pt")
+    if grids is not None and out["image_grid_thw"].tolist() != [list(g) for g in grids]:
+        raise ValueError(f"image grids {out['image_grid_thw'].tolist()} differ from the rollout's {grids}: the "
+                         "learner's image processor is not the one that made the trajectories")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
+            "mm_token_type_ids": (input_ids == vision.pad_id).int()}
+
+
+def model_inputs(batch: dict) -> dict:
+    """The forward's keyword arguments of a padded batch (image ones only where it has images)."""
+    return {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw",
+                                  "mm_token_type_ids") if k in batch}
+
+
+def pad_batch(trajs: list[Trajectory], pad_id: int, vision: ImageTokens | None = None) -> dict[str, torch.Tensor]:
     """Right-padded tensors for a micro-batch, aligned so position t predicts token t+1.
 
     input_ids [B, L] = prompt + response; for targets at positions 1..L-1: `mask` is the loss mask of
     response tokens (0 on the prompt, environment tokens and padding) and `old_logp` the behaviour logprobs.
+    Trajectories with images add the forward's image arguments (:func:`image_inputs`).
     """
     seqs = [t.prompt_ids + t.response_ids for t in trajs]
     width = max(map(len, seqs))
@@ -40,7 +67,9 @@ def pad_batch(trajs: list[Trajectory], pad_id: int) -> dict[str, torch.Tensor]:
         start = len(t.prompt_ids) - 1
         mask[i, start:start + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
         old_logp[i, start:start + len(t.response_ids)] = torch.tensor(t.logprobs)
-    return {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "old_logp": old_logp}
+    images = [im for t in trajs for im in t.images]
+    return {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "old_logp": old_logp,
+            **image_inputs(input_ids, images, vision, [g for t in trajs for g in t.image_grids])}
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -70,7 +99,8 @@ class LearnerWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master: tuple[str, int], model_path: str, cfg: dict, total_updates: int) -> int:
+    def setup(self, master: tuple[str, int], model_path: str, cfg: dict, total_updates: int,
+              with_reference: bool) -> int:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           DS_ACCELERATOR="cuda" if self.device == "cuda" else "cpu")
@@ -83,8 +113,8 @@ class LearnerWorker:
         model = load_causal_lm(model_path, dtype)
         if learner["gradient_checkpointing"]:
             model.gradient_checkpointing_enable()
-        shard = cfg["rollout"]["prompts_per_step"] * cfg["rollout"]["group_size"] // self.world_size
-        self.micro_batches = math.ceil(shard / learner["micro_batch_size"])
+        self.micro_batches = 1  # per optimizer step; set from each batch's size (stages may differ)
+        self.lr = learner["lr"]  # the schedule's base; a stage may set its own
         optimizer = torch.optim.AdamW(model.parameters(), lr=learner["lr"], betas=tuple(learner["betas"]),
                                       weight_decay=learner["weight_decay"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -104,45 +134,65 @@ class LearnerWorker:
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config)
         self.reference = None
-        if cfg["algorithm"]["kl_beta"] > 0:
+        if with_reference:  # some stage has a KL term
             self.reference = load_causal_lm(model_path, dtype).to(self.device).eval().requires_grad_(False)
         self.pad_id = self.engine.module.config.get_text_config().pad_token_id or 0
+        self.vision = ImageTokens.for_model(model_path)  # the image processor the rollout engines use, or None
         return self.rank
 
-    def _forward_logp(self, module, batch: dict, with_entropy: bool):
-        temperature = self.cfg["rollout"]["temperature"]
-        logits = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    def _forward_logp(self, module, batch: dict, with_entropy: bool, temperature: float):
+        logits = module(**model_inputs(batch)).logits[:, :-1]
         logp = algo.token_logprobs(logits, batch["input_ids"][:, 1:], temperature)
         entropy = algo.token_entropy(logits.detach(), temperature) if with_entropy else None
         return logp, entropy
 
-    def train(self, trajectory_refs: list, advantages: list[float]) -> dict:
-        """`updates_per_batch` optimizer steps on this rank's shard; returns sums for exact aggregation."""
+    def train(self, trajectory_refs: list, advantages: list[float] | None, algorithm: dict, objective: str,
+              temperature: float, lr: float) -> dict:
+        """`updates_per_batch` optimizer steps on this rank's shard of the batch, with the GRPO objective (rollouts
+        and their advantages) or the SFT one (demonstrations); returns sums for exact aggregation."""
         start = time.perf_counter()
         trajs = [t for chunk in ray.get(trajectory_refs) for t in chunk]
-        alg, micro = self.cfg["algorithm"], self.cfg["learner"]["micro_batch_size"]
+        alg, micro = algorithm, self.cfg["learner"]["micro_batch_size"]
         # The loss divides by global counts, so every token (token_mean) or sequence (seq_mean) weighs the same
         # whatever the rank and micro-batch it lands in.
-        denominator = sum(t.num_policy_tokens for t in trajs) if alg["loss_agg"] == "token_mean" else len(trajs)
+        token_mean = objective == "sft" or alg["loss_agg"] == "token_mean"
+        denominator = sum(t.num_policy_tokens for t in trajs) if token_mean else len(trajs)
         per_rank = len(trajs) // self.world_size
         lo = self.rank * per_rank
-        shard, shard_adv = trajs[lo:lo + per_rank], torch.tensor(advantages[lo:lo + per_rank])
+        shard = trajs[lo:lo + per_rank]
+        shard_adv = torch.tensor(advantages[lo:lo + per_rank]) if objective == "grpo" else None
+        if lr != self.lr:  # a stage with its own learning rate: the schedule continues, scaled to it, from now
+            schedule = self.engine.lr_scheduler
+            schedule.base_lrs = [lr] * len(schedule.base_lrs)
+            for group, factor in zip(schedule.optimizer.param_groups, schedule.lr_lambdas):
+                group["lr"] = lr * factor(schedule.last_epoch)
+            self.lr = lr
+        micro_batches = math.ceil(len(shard) / micro)
+        if micro_batches != self.micro_batches:  # DeepSpeed steps the optimizer every `micro_batches` backwards
+            self.engine.set_train_batch_size(micro * micro_batches * self.world_size)
+            self.micro_batches = micro_batches
         stats = {"loss": 0.0, "mask_sum": 0.0, "clip_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0,
                  "grad_norm": 0.0}
         self.engine.train()
-        for _ in range(alg["updates_per_batch"]):
-            for m in range(self.micro_batches):
-                batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id)
+        updates = alg["updates_per_batch"] if objective == "grpo" else 1
+        for _ in range(updates):
+            for m in range(micro_batches):
+                batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id, self.vision)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                logp, entropy = self._forward_logp(self.engine, batch, with_entropy=True)
-                ref_logp = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref_logp, _ = self._forward_logp(self.reference, batch, with_entropy=False)
-                adv = shard_adv[m * micro:(m + 1) * micro].to(self.device)
-                loss, s = algo.grpo_loss(logp, batch["old_logp"], adv, batch["mask"], eps_low=alg["eps_low"],
-                                         eps_high=alg["eps_high"], loss_agg=alg["loss_agg"], ref_logp=ref_logp,
-                                         kl_beta=alg["kl_beta"], global_denominator=denominator)
+                logp, entropy = self._forward_logp(self.engine, batch, with_entropy=True,
+                                                   temperature=temperature if objective == "grpo" else 1.0)
+                if objective == "sft":
+                    loss, s = algo.sft_loss(logp, batch["mask"], global_denominator=denominator)
+                else:
+                    ref_logp = None
+                    if self.reference is not None:
+                        with torch.no_grad():
+                            ref_logp, _ = self._forward_logp(self.reference, batch, with_entropy=False,
+                                                             temperature=temperature)
+                    adv = shard_adv[m * micro:(m + 1) * micro].to(self.device)
+                    loss, s = algo.grpo_loss(logp, batch["old_logp"], adv, batch["mask"], eps_low=alg["eps_low"],
+                                             eps_high=alg["eps_high"], loss_agg=alg["loss_agg"], ref_logp=ref_logp,
+                                             kl_beta=alg["kl_beta"], global_denominator=denominator)
                 # DeepSpeed averages gradients over ranks; scaling by world size makes the sum of all ranks'
                 # micro-batch losses the batch loss.
                 self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
@@ -152,7 +202,7 @@ class LearnerWorker:
                 for k in ("mask_sum", "clip_sum", "kl_sum"):
                     stats[k] += s[k]
             stats["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-        stats["updates"] = alg["updates_per_batch"]
+        stats["updates"] = updates
         stats["lr"] = self.engine.get_lr()[0]
         stats["seconds"] = time.perf_counter() - start
         return stats
@@ -200,14 +250,16 @@ class LearnerWorker:
         broadcast_weights(self.broadcast_group, self.named_weights())
         return time.perf_counter() - start
 
-    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """log p(token_t | tokens_<t) at temperature 1 under the current weights, for t >= 1."""
+    def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        """log p(token_t | tokens_<t) at temperature 1 under the current weights, for t >= 1. `images[i]`: the
+        images of sequence i (a trajectory's `images`)."""
         self.engine.eval()
         out = []
         with torch.no_grad():
-            for seq in sequences:
+            for seq, seq_images in zip(sequences, images or [[]] * len(sequences)):
                 ids = torch.tensor([seq], device=self.device)
-                logits = self.engine.module(input_ids=ids).logits[:, :-1]
+                pixels = {k: v.to(self.device) for k, v in image_inputs(ids, seq_images, self.vision).items()}
+                logits = self.engine.module(input_ids=ids, **pixels).logits[:, :-1]
                 out.append(algo.token_logprobs(logits, ids[:, 1:]).squeeze(0).tolist())
         return out
 
@@ -240,13 +292,17 @@ class LearnerGroup:
         self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}")).remote(
             i, res.num, res.threads) for i in range(res.num)]
         master = ray.get(self.ranks[0].address.remote())
-        total_updates = cfg.total_steps * cfg.algorithm.updates_per_batch
-        ray.get([r.setup.remote(master, model_path, cfg.dump(), total_updates) for r in self.ranks])
+        stages = [(stage, cfg.for_stage(i).algorithm) for i, stage in enumerate(cfg.stage_plan())]
+        total_updates = sum(stage.steps * (alg.updates_per_batch if stage.kind == "grpo" else 1) for stage, alg in stages)
+        with_reference = any(stage.kind == "grpo" and alg.kl_beta > 0 for stage, alg in stages)
+        ray.get([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference) for r in self.ranks])
         if resume_from is not None:
             ray.get([r.load.remote(str(resume_from)) for r in self.ranks])
 
-    def train(self, trajectory_refs: list, advantages: list[float]) -> dict:
-        per_rank = ray.get([r.train.remote(trajectory_refs, advantages) for r in self.ranks])
+    def train(self, trajectory_refs: list, advantages: list[float] | None, stage_cfg, objective: str = "grpo") -> dict:
+        """One batch on every rank: rollouts with their advantages (grpo) or demonstrations (sft)."""
+        per_rank = ray.get([r.train.remote(trajectory_refs, advantages, stage_cfg.algorithm.model_dump(), objective,
+                                           stage_cfg.rollout.temperature, stage_cfg.learner.lr) for r in self.ranks])
         summed = {k: sum(p[k] for p in per_rank) for k in ("loss", "mask_sum", "clip_sum", "kl_sum", "entropy_sum")}
         # Each rank's loss is its share of the batch loss; per update they add up to it.
         summed["loss"] /= per_rank[0]["updates"]
@@ -281,8 +337,8 @@ class LearnerGroup:
         ray.get(helpers)
         return {"sync_s": time.perf_counter() - start, "sync_send_s": send_s, "sync_load_s": max(load_s)}
 
-    def sequence_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        return ray.get([r.sequence_logprobs.remote(sequences) for r in self.ranks])[0]
+    def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
+        return ray.get([r.sequence_logprobs.remote(sequences, images) for r in self.ranks])[0]
 
     def save(self, checkpoint_dir) -> None:
         ray.get([r.save.remote(str(checkpoint_dir)) for r in self.ranks])

@@ -1,6 +1,7 @@
 """Train with GRPO on Ray.
 
     python learners/run.py --config configs/quickstart.yaml [dotted.key=value ...]
+    python learners/run.py --config configs/med_rwr_cluster.yaml --dry-run   # resolve and place, start nothing
 
 Starts a local Ray bound to 127.0.0.1, or joins the cluster in RAY_ADDRESS (what `ray job submit` sets).
 """
@@ -20,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. rollout.group_size=4 resume=true")
+    parser.add_argument("--dry-run", action="store_true", help="print stages, placement and memory; start nothing")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="dry run: GPUs per cluster node")
+    parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="dry run: memory of one GPU")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -27,6 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.dry_run:
+        from learners.dry_run import dry_run, print_plan
+        try:
+            print_plan(dry_run(cfg, args.gpus_per_node, args.gpu_memory_gb))
+        except FileNotFoundError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     from learners.trainer import Trainer
     try:
         history = Trainer(cfg).fit()
@@ -34,9 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if history:
-        first, last = history[0], history[-1]
-        print(f"done: {len(history)} steps, reward {first['reward_mean']:.3f} -> {last['reward_mean']:.3f}; "
-              f"outputs in {cfg.output_dir}")
+        rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
+        summary = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; " if rewards else ""
+        print(f"done: {len(history)} steps, {summary}outputs in {cfg.output_dir}")
     return 0
 
 

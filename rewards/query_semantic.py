@@ -34,7 +34,7 @@ as ``query_semantic_image`` returning the component ``query_semantic_image``; it
 w_q * sigma_q = w_q * (text + image) is then two config entries with the same weight:
 
     - {name: query_semantic_text, weight: 0.4, args: {kb: hpo}}
-    - {name: query_semantic_image, weight: 0.4, args: {...}}
+    - {name: query_semantic_image, weight: 0.4, args: {clip: <BiomedCLIP dir, null for the tiny one>}}
 """
 from __future__ import annotations
 
@@ -230,3 +230,60 @@ class QuerySemanticText:
     def __call__(self, trajectories: list[Trajectory]) -> dict[str, list[float]]:
         return {TEXT_COMPONENT: [text_query_semantic(*self.concept_sets(t)) if queries(t) or retrieved_texts(t)
                                  else 0.0 for t in trajectories]}
+
+
+def image_query_cosine(image_embedding, text_embedding) -> float:
+    """Eqn. 2: f_image(i) . f_text(t) / (||f_image(i)|| ||f_text(t)||); 0 when either embedding is zero."""
+    import numpy as np
+    i, t = np.asarray(image_embedding, dtype=np.float64), np.asarray(text_embedding, dtype=np.float64)
+    norms = np.linalg.norm(i) * np.linalg.norm(t)
+    return float(i @ t / norms) if norms > 0 else 0.0
+
+
+@register_reward(IMAGE_COMPONENT)
+class QuerySemanticImage:
+    """sigma_q_image (Eqn. 2) per trajectory, as component ``query_semantic_image``, in [-1, 1]: the BiomedCLIP
+    cosine between the task's image (its first, as the paper's questions have one) and the trajectory's queries
+    (:func:`query_text`). A rollout that never queried, or a task without an image, scores 0 (as an empty S_Q does in
+    Eqn. 1).
+
+    Args (config ``args``):
+        clip: a local BiomedCLIP open_clip directory (real weights); None: the tiny BiomedCLIP-architecture model
+            (:func:`actors.biomedclip.load_biomedclip`), meaningless similarities but the same computation.
+        cache_size: image embeddings memoised by path (a group's rollouts share their task's image).
+    """
+
+    def __init__(self, clip: str | None = None, cache_size: int = 4096):
+        from actors.biomedclip import load_biomedclip
+        self.model = load_biomedclip(clip)
+        self.cache_size = cache_size
+        self._images: OrderedDict[str, object] = OrderedDict()
+
+    def image_embeddings(self, paths: list[str]) -> dict:
+        """path -> embedding, embedding (in one batch) only the paths not cached yet."""
+        from PIL import Image
+        missing = [p for p in dict.fromkeys(paths) if p not in self._images]
+        if missing:
+            images = []
+            for path in missing:
+                with Image.open(path) as image:
+                    images.append(image.convert("RGB"))
+            for path, row in zip(missing, self.model.embed_images(images)):
+                self._images[path] = row
+        found = {}
+        for path in paths:
+            self._images.move_to_end(path)
+            found[path] = self._images[path]
+        while len(self._images) > self.cache_size:
+            self._images.popitem(last=False)
+        return found
+
+    def __call__(self, trajectories: list[Trajectory]) -> dict[str, list[float]]:
+        scored = [i for i, t in enumerate(trajectories) if query_text(t) and t.task.get("images")]
+        scores = [0.0] * len(trajectories)
+        if scored:
+            images = self.image_embeddings([trajectories[i].task["images"][0] for i in scored])
+            texts = self.model.embed_texts([query_text(trajectories[i]) for i in scored])
+            for i, text in zip(scored, texts):
+                scores[i] = image_query_cosine(images[trajectories[i].task["images"][0]], text)
+        return {IMAGE_COMPONENT: scores}

@@ -13,7 +13,8 @@ from typing import Callable
 REWARDS: dict[str, Callable] = {}
 # The modules whose rewards are registered on first use; the heavy ones import their models only when built.
 BUILTIN_MODULES = ("rewards.builtin", "rewards.text_similarity", "rewards.semantic", "rewards.adaptive",
-                   "rewards.formats", "rewards.tool_use", "rewards.query_semantic")
+                   "rewards.formats", "rewards.tool_use", "rewards.query_semantic", "rewards.judge",
+                   "rewards.confidence")
 
 
 def register_reward(name: str):
@@ -35,3 +36,10 @@ def make_reward(name: str, args: dict) -> Callable:
     if isinstance(target, type):
         return target(**args)
     return lambda trajectories: target(trajectories, **args)
+
+
+def needs_answer_logprobs(names: list[str]) -> bool:
+    """Whether any of these rewards reads `Trajectory.answer_logprobs` (the rollout engine then computes them)."""
+    for module in BUILTIN_MODULES:
+        importlib.import_module(module)
+    return any(getattr(REWARDS.get(name), "needs_answer_logprobs", False) for name in names)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 
@@ -64,7 +65,7 @@ class RewardActor:
         nci = group_nci(components, {k: w for comps, w in zip(by_spec, weights) for k in comps},
                         [t.group for t in trajectories])
         return {"total": total, "components": components, "nci": nci, "errors": errors,
-                "seconds": time.perf_counter() - start}
+                "seconds": time.perf_counter() - start, "pid": os.getpid()}
 
     def state_dict(self) -> dict:
         """The state of every stateful reward (ARMed's Adapt streams), keyed "<position>:<name>", for checkpoints."""

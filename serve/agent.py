@@ -3,20 +3,40 @@
 The same grammar as training (`actors.environment.Grammar`): the model writes until it closes the action tag
 (`</query>`), the query goes to the retriever, the hits come back inside the observation tag (`<retrieve>...`) and the
 model continues, until it closes `</answer>`, runs out of turns or of its token budget.
+
+CDIR (Med-RwR's test-time image re-retrieval, `learners/cdir.py`): when the request's image and an image search are
+given, the answer's confidence (the probability of the option token after `<answer>`, from the engine's log-prob of
+the sampled token: vLLM's default `raw_logprobs`, the model's own distribution whatever the temperature) below the
+threshold drops the answer turn, shows the most similar image-caption case as an observation, and answers again.
+The trace carries the confidence and whether CDIR fired.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from actors.environment import Grammar, retrieval_text, turn_seed
+from learners.cdir import THRESHOLD, answer_confidence, case_text, cdir_fires, token_pieces
 
-# (prompt ids, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None)
-Generate = Callable[[list[int], int, list[str], int | None], Awaitable[tuple[str, list[int], str | None]]]
+# (prompt ids, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None, log-probs of
+# the token ids)
+Generate = Callable[[list[int], int, list[str], int | None],
+                    Awaitable[tuple[str, list[int], str | None, list[float]]]]
 # (queries, top_k) -> hits per query, each a dict with at least "id" and "text"
 Search = Callable[[list[str], int], Awaitable[list[list[dict]]]]
+# (images, top_k) -> image-caption hits per image, each {id, image_path, caption, score} (actors.image_index)
+SearchImages = Callable[[list, int], Awaitable[list[list[dict]]]]
+
+
+@dataclass
+class Cdir:
+    """What CDIR needs for one request: the request's image and the image index's search."""
+    image: object
+    search_images: SearchImages
+    threshold: float = THRESHOLD
 
 
 @dataclass
@@ -26,18 +46,21 @@ class AgentResult:
     transcript: str                                 # everything after the prompt: the model's and the retriever's
     completion_tokens: int                          # tokens the model wrote
     turns: list[dict] = field(default_factory=list)  # per retrieval: query, chunk ids, error
+    confidence: float | None = None                 # of the first answer (CDIR's eta), None without one
+    cdir: dict | None = None                        # fired, the case, the confidence after; None: CDIR not asked
 
     def trace(self) -> dict:
         return {"finish": self.finish, "turns": self.turns, "transcript": self.transcript,
-                "completion_tokens": self.completion_tokens}
+                "completion_tokens": self.completion_tokens, "confidence": self.confidence, "cdir": self.cdir}
 
 
 async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int], *,
                     prefix: str = "", max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                    timeout_s: float) -> AgentResult:
+                    timeout_s: float, cdir: Cdir | None = None) -> AgentResult:
     """Drive one episode. `prefix` is text already in the prompt that belongs to the model's first turn (a continued
     assistant message), so a query it opened is closed by the first generation. `max_tokens` bounds the model's
-    tokens; the grammar's `max_response_tokens` bounds model and retriever tokens together."""
+    tokens; the grammar's `max_response_tokens` bounds model and retriever tokens together. `cdir`: re-retrieve by
+    image when the answer's confidence is below its threshold."""
     ids, transcript, segment = list(prompt_ids), "", prefix
     written, turns = 0, []
     stops = sorted(set(stop) | set(grammar.stops()))
@@ -47,13 +70,22 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
         if room <= 0:
             return AgentResult(None, "budget", transcript, written, turns)
         turn_sampling_seed = None if seed is None else turn_seed(seed, len(turns))
-        text, new_ids, stopped_by = await generate(ids, room, stops, turn_sampling_seed)
+        turn_start = len(ids), len(transcript)
+        text, new_ids, stopped_by, logprobs = await generate(ids, room, stops, turn_sampling_seed)
         ids += new_ids
         transcript += text
         segment += text
         written += len(new_ids)
         if stopped_by == f"</{grammar.answer_tag}>":
-            return AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns)
+            confidence = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
+                                           grammar.answer_tag)
+            result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns,
+                                 confidence, None if cdir is None else {"fired": False})
+            if cdir is not None and cdir_fires(confidence, cdir.threshold):
+                return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]],
+                                       transcript[:turn_start[1]], prefix, max_tokens, max_model_len, stop,
+                                       turn_sampling_seed, timeout_s)
+            return result
         if stopped_by != grammar.action_close:
             return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
         if len(turns) >= grammar.max_turns:
@@ -66,6 +98,36 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
         ids += observation_ids
         transcript += tokenizer.decode(observation_ids, skip_special_tokens=False)
         segment = ""
+
+
+async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
+                    history_ids: list[int], history: str, prefix: str, max_tokens: int, max_model_len: int,
+                    stop: list[str], seed: int | None, timeout_s: float) -> AgentResult:
+    """Eqn. 7 of Med-RwR: the answer turn is dropped, the most similar image-caption case joins the context after
+    the reasoning history, and the model answers once more (the dropped turn's tokens still count as written). A
+    failed image search keeps the first answer."""
+    try:
+        hit = (await asyncio.wait_for(cdir.search_images([cdir.image], 1), timeout_s))[0][0]
+    except Exception as e:  # noqa: BLE001  no case to add: the first answer stands, and the trace says why
+        return dataclasses.replace(first, cdir={"fired": True, "error": type(e).__name__})
+    observation_ids = tokenizer.encode(grammar.wrap_observation(case_text(hit)),
+                                       add_special_tokens=False)[:grammar.max_observation_tokens]
+    ids = history_ids + observation_ids
+    transcript = history + tokenizer.decode(observation_ids, skip_special_tokens=False)
+    written = first.completion_tokens
+    room = min(max_tokens - written, max_model_len - len(ids))
+    record = {"fired": True, "case_id": hit["id"], "caption": hit["caption"], "score": hit["score"]}
+    if room <= 0:
+        return dataclasses.replace(first, cdir={**record, "error": "no room to answer again"})
+    text, new_ids, stopped_by, logprobs = await generate(
+        ids, room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
+    transcript += text
+    answered = stopped_by == f"</{grammar.answer_tag}>"
+    record["confidence_after"] = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
+                                                   grammar.answer_tag) if answered else None
+    return AgentResult(_answer(prefix + transcript, grammar) if answered else None,
+                       "answer" if answered else ("stop" if stopped_by else "length"), transcript,
+                       written + len(new_ids), first.turns, first.confidence, record)
 
 
 async def _search(search: Search, query: str, top_k: int, timeout_s: float) -> tuple[list[dict] | None, str | None]:

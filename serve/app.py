@@ -30,8 +30,8 @@ from serve.config import ServeSettings, key_digest
 from serve.engine import RequestRejectedError, start_engine
 from serve.images import load_image
 from serve.metrics import serve_metrics
-from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, finish_reason,
-                            parse_request, usage, usage_chunk)
+from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, decode_body,
+                            finish_reason, parse_request, usage, usage_chunk)
 
 log = logging.getLogger("medray.serve")
 
@@ -180,11 +180,7 @@ class ChatServer:
         started = time.perf_counter()
         self.authenticate(request)
         body = await read_body(request, self.limits.max_body_bytes)
-        try:
-            payload = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}") from None
-        req = parse_request(payload)
+        req = parse_request(decode_body(body))
         agent = self.agent_requested(req)
         prompt_ids = self.prompt_ids(req)
         max_tokens = self.max_tokens(req, len(prompt_ids))
@@ -283,6 +279,7 @@ class ChatServer:
                                   logit_bias=self.logit_bias(req), presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   include_stop_str_in_output=agent_stops is not None,
+                                  logprobs=0 if agent_stops is not None else None,  # agent: CDIR's confidence
                                   skip_special_tokens=True,
                                   output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
         except ValueError as e:  # vLLM's own checks (e.g. a logit_bias token outside the vocabulary)
@@ -331,7 +328,8 @@ class ChatServer:
             async for output in self.engine.generate({"prompt_token_ids": ids}, params, f"{cid}-{next(turn_ids)}"):
                 seq = output.outputs[0]
             stopped_by = seq.stop_reason if isinstance(seq.stop_reason, str) else None
-            return seq.text, list(seq.token_ids), stopped_by
+            return seq.text, list(seq.token_ids), stopped_by, [lp[t].logprob for lp, t in zip(seq.logprobs,
+                                                                                          seq.token_ids)]
 
         async def search(queries: list[str], top_k: int) -> list[list[dict]]:
             return await self.retriever.search.remote(queries, top_k)

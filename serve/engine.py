@@ -142,7 +142,8 @@ def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpu
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if backend == "in_process":
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    args = dict(model=checkpoint, seed=settings.seed, max_model_len=settings.max_model_len,
+    # load_format: weights only from safetensors, never unpickled from .bin/.pt files in a checkpoint directory.
+    args = dict(model=checkpoint, load_format="safetensors", seed=settings.seed, max_model_len=settings.max_model_len,
                 max_num_seqs=settings.max_num_seqs, enable_prefix_caching=True, disable_log_stats=True,
                 dtype="float32" if on_cpu and settings.dtype == "auto" else settings.dtype,
                 gpu_memory_utilization=settings.gpu_memory_utilization,

@@ -73,5 +73,8 @@ def _decode_image(data: bytes, limits: Limits, param: str):
                                param=param, code="image_too_large")
             header.load()
             return header.convert("RGB")
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:  # PIL's own bound, raised on opening a header claiming > 179M pixels
+        raise APIError(400, f"image has more than {limits.max_image_pixels} pixels", param=param,
+                       code="image_too_large") from None
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
         raise APIError(400, "image could not be decoded", param=param, code="invalid_image") from None

@@ -3,6 +3,7 @@
 exceptions)."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Literal
@@ -84,6 +85,22 @@ class ChatRequest(Lenient):
     @property
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+def decode_body(body: bytes):
+    """The decoded JSON body; APIError(400) if it is not UTF-8 JSON, is nested too deeply for the parser, or holds
+    text that is not valid Unicode (an unpaired surrogate escape such as "\\ud800", which tokenizers cannot encode)."""
+    try:
+        payload = json.loads(body)
+        json.dumps(payload, ensure_ascii=False).encode("utf-8")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except UnicodeEncodeError:
+        raise APIError(400, "request body is not valid Unicode text: it holds an unpaired surrogate escape "
+                            "(\\ud800-\\udfff)") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
+    return payload
 
 
 def parse_request(payload) -> ChatRequest:

@@ -215,7 +215,7 @@ class HPOTaskBuilder:
             images=[],
             gold_boxes=[],
             references=name_variants(case.disease),
-            metadata=self._metadata(case, "hpo_diagnosis_mcq", split),
+            metadata=self._metadata(case, "hpo_diagnosis_mcq", split) | self._reference_reasoning(case),
         )
 
     def open_task(self, case: DiagnosisCase, split: str, index: int) -> Task:
@@ -228,12 +228,30 @@ class HPOTaskBuilder:
             images=[],
             gold_boxes=[],
             references=name_variants(case.disease),
-            metadata=self._metadata(case, "hpo_diagnosis_open", split),
+            metadata=self._metadata(case, "hpo_diagnosis_open", split) | self._reference_reasoning(case),
         )
 
     def _question(self, case: DiagnosisCase) -> str:
         shown = "; ".join(self.terms[h].name for h in case.clues)
         return f"A patient has: {shown}. Which rare disease is most likely?"
+
+    def _reference_reasoning(self, case: DiagnosisCase) -> dict:
+        """Reference reasonings for reasoning rewards (Med-R3's semantic / statistic / logical), written from the
+        ontology: which phenotypes the answer accounts for, and for each distractor a shown phenotype it does not;
+        with the matching knowledge-graph triples, one graph per reasoning."""
+        names = [self.terms[h].name for h in case.clues]
+        support = f"The patient has {'; '.join(names)}. {case.disease.name} is annotated in the Human Phenotype " \
+                  f"Ontology with {'; '.join(names)}, so {case.disease.name} is the most likely diagnosis."
+        triples = [[case.disease.name, "has phenotype", n] for n in names]
+        exclusions, excluded = [], []
+        for other in case.distractors:
+            missing = sorted(set(case.clues) - self._explains(other))
+            if missing:
+                exclusions.append(f"{other.name} does not account for {self.terms[missing[0]].name}.")
+                excluded.append([other.name, "lacks phenotype", self.terms[missing[0]].name])
+        differential = f"{support} {' '.join(exclusions)}".strip()
+        return {"reference_reasonings": [support, differential],
+                "reference_triples": [triples, triples + excluded]}
 
     @staticmethod
     def _metadata(case: DiagnosisCase, task: str, split: str) -> dict:

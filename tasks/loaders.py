@@ -481,7 +481,13 @@ def _jsonl_rows(path: Path) -> Rows:
 
 
 def _csv_rows(path: Path, required: Iterable[str], alternatives: Iterable[tuple[str, ...]] = ()) -> Rows:
-    with open(path, encoding="utf-8-sig", newline="") as fh:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise BenchmarkFormatError(f"{path}, line {line}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    with io.StringIO(text, newline="") as fh:
         reader = csv.DictReader(fh)
         header = reader.fieldnames or []
         missing = [c for c in required if c not in header]

@@ -225,6 +225,15 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, client):
         "body too large": (json.dumps(chat_body(messages=image(data_url(b"\0" * 300_000)))), 413, "larger than"),
         "logit bias outside the vocabulary": (json.dumps(chat_body(logit_bias={"99999999": 5})), 400, "logit_bias"),
         "temperature out of range": (json.dumps(chat_body(temperature=7)), 400, "temperature"),
+        "deeply nested JSON": ("[" * 50_000 + "]" * 50_000, 400, "nested too deeply"),
+        "unpaired surrogate": (json.dumps(chat_body(messages=[{"role": "user", "content": "\ud800"}])), 400,
+                               "not valid Unicode"),
+        "body not UTF-8": (b'{"model": "medray\xff"}', 400, "not valid JSON"),
+        "truncated image": (json.dumps(chat_body(messages=image(data_url(png[: len(png) // 2])))), 400,
+                            "could not be decoded"),
+        "huge prompt near the body limit": (json.dumps(chat_body(messages=[{"role": "user",
+                                                                            "content": "word " * 39_000}])), 400,
+                                            "more than the limit"),
     }
     for name, (body, status, message) in cases.items():
         response = raw_post(server, body)
@@ -232,6 +241,73 @@ def test_bad_requests_get_4xx_and_the_server_stays_up(server, client):
         assert message in response.json()["error"]["message"], f"{name}: {response.text}"
     assert raw_post(server, "{}", path="/v1/nowhere").status_code == 404
     assert_still_serving(server, client)
+
+
+@pytest.mark.slow
+def test_the_api_key_never_reaches_the_logs(server, client, ray_session):
+    """Neither the server's key nor a wrong key a client presents is written to any log of the Ray session (Serve's
+    controller, proxy and replica logs included), after successful, refused and failing requests."""
+    wrong = "wrong-key-that-must-not-be-logged"
+    client.chat.completions.create(**chat_body(max_tokens=2))
+    raw_post(server, json.dumps(chat_body()), key=wrong)
+    raw_post(server, '{"model": "medray", "messages": [')
+    time.sleep(2)  # Ray flushes worker logs to files asynchronously
+    logs = Path(ray_session._private.worker.global_worker.node.get_logs_dir_path())
+    files = [p for p in logs.rglob("*") if p.is_file()]
+    assert any("serve" in str(p) for p in files)
+    for secret in (KEY, wrong):
+        leaks = [p for p in files if secret.encode() in p.read_bytes()]
+        assert not leaks, f"{secret} found in {leaks}"
+
+
+@pytest.mark.slow
+def test_bounded_loopback_load_has_no_server_errors(server):
+    """240 requests, 8 at a time, within 300 s: valid chats (plain and streaming) mixed with malformed JSON, wrong
+    keys, path traversal, bad base64, unknown models and over-long prompts. Every answer has the expected status;
+    none is a 5xx and no connection fails."""
+    import httpx
+    from concurrent.futures import ThreadPoolExecutor
+
+    url = server["url"] + "/v1/chat/completions"
+    image = lambda u: [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": u}}]}]  # noqa: E731
+    kinds = [  # (name, body, key, expected status)
+        ("chat", json.dumps(chat_body(max_tokens=4)), KEY, 200),
+        ("stream", json.dumps(chat_body(max_tokens=4, stream=True)), KEY, 200),
+        ("malformed JSON", '{"model": "medray", "messages": [', KEY, 400),
+        ("wrong key", json.dumps(chat_body()), "not-the-key", 401),
+        ("no key", json.dumps(chat_body()), None, 401),
+        ("path traversal", json.dumps(chat_body(messages=image(f"{server['images']}/../../etc/passwd"))), KEY, 400),
+        ("bad base64", json.dumps(chat_body(messages=image("data:image/png;base64,@@@"))), KEY, 400),
+        ("unknown model", json.dumps(chat_body(model="gpt-4")), KEY, 404),
+        ("prompt too long", json.dumps(chat_body(messages=[{"role": "user", "content": "word " * 2000}])), KEY, 400),
+        ("deeply nested", "[" * 20_000 + "]" * 20_000, KEY, 400),
+    ]
+    plan = [kinds[i % len(kinds)] for i in range(240)]
+    deadline = time.monotonic() + 300
+
+    def send(http: httpx.Client, kind) -> tuple[str, int | str, int]:
+        name, body, key, expected = kind
+        if time.monotonic() > deadline:
+            return name, "not sent: past the time limit", expected
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+        try:
+            response = http.post(url, content=body, headers=headers)
+            if expected == 200 and response.headers.get("content-type", "").startswith("text/event-stream"):
+                assert response.text.rstrip().endswith("data: [DONE]"), response.text[-200:]
+            return name, response.status_code, expected
+        except httpx.HTTPError as e:
+            return name, f"{type(e).__name__}: {e}", expected
+
+    started = time.perf_counter()
+    with httpx.Client(timeout=120, limits=httpx.Limits(max_connections=8)) as http, ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda kind: send(http, kind), plan))
+    seconds = time.perf_counter() - started
+    server_errors = [r for r in results if not isinstance(r[1], int) or r[1] >= 500]
+    wrong = [r for r in results if r[1] != r[2]]
+    print(f"\n{len(results)} requests (8 concurrent) in {seconds:.1f} s: {len(results) / seconds:.1f} req/s, "
+          f"{len(server_errors)} server errors or failed connections, {len(wrong)} unexpected statuses")
+    assert not server_errors, server_errors[:5]
+    assert not wrong, wrong[:5]
 
 
 @pytest.mark.slow

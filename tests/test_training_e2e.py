@@ -100,7 +100,7 @@ def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport)
         trajs = [Trajectory(task={}, group=i // 2, prompt_ids=prompt, response_ids=o["ids"], logprobs=o["logprobs"],
                             loss_mask=[1] * len(o["ids"]), text=o["text"], finish_reason=o["finish_reason"],
                             weight_version=0) for i, o in enumerate(outs)]
-        learners.train([ray.put(trajs)], [1.0, -1.0, -1.0, 1.0])
+        learners.train([ray.put(trajs)], [1.0, -1.0, -1.0, 1.0], cfg)
         seqs = [t.prompt_ids + t.response_ids for t in trajs]
 
         def max_diff():
@@ -117,3 +117,38 @@ def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport)
         learners.shutdown()
         ray.kill(worker)
         placement.remove()
+
+
+def test_stages_carry_weights_and_resume_mid_stage(ray_session, tiny_model_path, tmp_path):
+    """SFT then GRPO in one run: the demonstrations change the weights the rollout workers sample with, and a run
+    resumed from a checkpoint in the middle of stage 2 continues stage 2 exactly."""
+    from learners.data import load_tasks
+    demos = tmp_path / "demos.jsonl"
+    with open(demos, "w") as fh:
+        for task in load_tasks("hpo:mcq_train")[:8]:
+            fh.write(json.dumps({"task": task, "segments": [
+                {"role": "policy", "text": "<query>" + task["options"][task["answer"]] + "</query>"},
+                {"role": "environment", "text": "\n<retrieve>\n(retrieved text)\n</retrieve>\n"},
+                {"role": "policy", "text": f"<answer>{task['answer']}</answer>"}]}) + "\n")
+    stages = ("stages=[{name: cold_start, kind: sft, steps: 2, sft: {data: %s, batch_size: 4}, set: {learner.lr: 0.02}},"
+              " {name: rl, steps: 2, set: {rollout.temperature: 0.9, rewards.components: [{name: accuracy},"
+              " {name: confidence_gain, weight: 5.0}]}}]" % demos)
+    out = tmp_path / "staged"
+    metrics = run(out, "total_steps=4", stages)
+    assert [(m["step"], m["stage_name"]) for m in metrics] == [(1, "cold_start"), (2, "cold_start"), (3, "rl"),
+                                                               (4, "rl")]
+    assert metrics[0]["sft_loss"] > metrics[1]["sft_loss"] > 0
+    assert [m["lr"] for m in metrics] == pytest.approx([0.02, 0.02, 5e-3, 5e-3])  # the cold start's own rate
+    assert [m["batch_weight_version"] for m in metrics[2:]] == [2, 3]  # stage 2 samples with the SFT weights
+    assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics[2:])
+    assert all("reward/confidence_gain" in m for m in metrics[2:])  # the stage's own reward spec
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed, symlinks=True)
+    shutil.rmtree(resumed / "checkpoints" / "step_4")
+    lines = (resumed / "metrics.jsonl").read_text().splitlines()[:3]
+    (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    again = run(resumed, "total_steps=4", stages, "resume=true")
+    assert again[3]["stage_name"] == "rl"
+    for key in ("reward_mean", "response_length", "loss", "grad_norm"):
+        assert again[3][key] == pytest.approx(metrics[3][key], rel=1e-5, abs=1e-6), key

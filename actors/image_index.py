@@ -1,0 +1,268 @@
+"""The image index for CDIR (Med-RwR sec. 3.3, appendix D.2.2): BiomedCLIP embeddings of an image-caption corpus in an
+exact FAISS inner-product index, and an :class:`ImageRetriever` Ray actor that returns the most similar cases.
+
+    python -m actors.image_index [--corpus cdir_corpus.jsonl] --out DIR [--clip BIOMEDCLIP_DIR] [--batch-size 32]
+
+The corpus is a JSONL of ``{id, image, caption}`` records, ``image`` a path relative to the corpus file's directory
+(the imaging world's ``cdir_corpus.jsonl``, the default, built on first use by :mod:`tasks.build_imaging`). The
+index directory holds::
+
+    manifest.json   format, encoder identity (BiomedCLIP weights checksum) and directory, corpus checksum, counts
+    docs.jsonl      the corpus rows (memory-mapped with offsets.npy, as the text index's document store)
+    offsets.npy
+    images.faiss    IndexFlatIP over L2-normalised image embeddings: inner product = cosine, exact
+
+The corpus checksum covers the JSONL and every image it names, so an index is refused (:class:`IndexMismatchError`)
+when it was built with other weights or when any caption or image has changed since.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import ray
+
+from actors.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index
+from tasks.files import file_lock
+
+IMAGE_INDEX_FORMAT = 1
+MANIFEST = "manifest.json"
+CORPUS_FIELDS = ("id", "image", "caption")
+
+
+def read_image_corpus(path: str | os.PathLike) -> list[dict]:
+    """The corpus rows in file order, each with ``image_path`` (absolute) added; a line that is not JSON with string
+    fields id, image and caption, or whose image file is missing, raises ValueError naming file, line and field."""
+    path = Path(path)
+    rows = []
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a UTF-8 JSON line ({e})") from None
+            missing = [f for f in CORPUS_FIELDS if not isinstance(row, dict) or not isinstance(row.get(f), str)]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: field {missing[0]!r}: missing or not a string "
+                                 f"(a corpus row has {', '.join(CORPUS_FIELDS)})")
+            image_path = (path.parent / row["image"]).resolve()
+            if not image_path.is_file():
+                raise ValueError(f"{path}:{lineno}: field 'image': {image_path} does not exist")
+            rows.append({**row, "image_path": str(image_path)})
+    if not rows:
+        raise ValueError(f"{path}: no corpus rows")
+    return rows
+
+
+def corpus_sha256(path: str | os.PathLike, rows: list[dict] | None = None) -> str:
+    """sha256 over the corpus JSONL's bytes and then the bytes of every image it names, in file order."""
+    digest = hashlib.sha256()
+    for file in [Path(path)] + [Path(r["image_path"]) for r in rows or read_image_corpus(path)]:
+        digest.update(file.read_bytes())
+    return digest.hexdigest()
+
+
+def default_corpus() -> Path:
+    """The imaging world's CDIR corpus (built on first use)."""
+    from tasks.build_imaging import ensure_imaging_world
+    return ensure_imaging_world(progress=False)["cdir_corpus"]
+
+
+def load_images(images: list) -> list:
+    """PIL images, or paths to image files, as RGB PIL images."""
+    from PIL import Image
+    return [im.convert("RGB") if isinstance(im, Image.Image) else Image.open(im).convert("RGB") for im in images]
+
+
+def embed_corpus_images(model, rows: list[dict], batch_size: int = 32, progress: bool = True) -> np.ndarray:
+    """(n, d) float32 unit rows: the BiomedCLIP image embedding of every corpus image, in batches, with a bar."""
+    from tqdm import tqdm
+    parts = []
+    with tqdm(total=len(rows), desc="embed images", unit="img", disable=not progress) as bar:
+        for start in range(0, len(rows), batch_size):
+            batch = rows[start:start + batch_size]
+            parts.append(model.embed_images(load_images([r["image_path"] for r in batch])))
+            bar.update(len(batch))
+    return np.concatenate(parts).astype(np.float32)
+
+
+def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | None = None, model=None,
+                      clip_path: str | None = None, batch_size: int = 32, progress: bool = True) -> dict:
+    """Embed every corpus image with BiomedCLIP (``model``, else loaded from ``clip_path``; None: the tiny one) and
+    write the index; returns its manifest. Written to a temporary sibling and renamed: never found half-written."""
+    import faiss
+
+    from actors.biomedclip import load_biomedclip
+
+    corpus = Path(corpus) if corpus is not None else default_corpus()
+    rows = read_image_corpus(corpus)
+    model = model or load_biomedclip(clip_path)
+    started = time.perf_counter()
+    vectors = embed_corpus_images(model, rows, batch_size, progress)
+    seconds = time.perf_counter() - started
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp.mkdir(exist_ok=True)
+    manifest = {"format": IMAGE_INDEX_FORMAT, "kind": "image",
+                "encoder": {"identity": model.identity, "path": None if clip_path is None else
+                            str(Path(clip_path).resolve()), "dim": int(vectors.shape[1])},
+                "corpus": {"source": str(corpus.resolve()), "sha256": corpus_sha256(corpus, rows), "rows": len(rows)},
+                "encoding": {"seconds": round(seconds, 2), "images_per_s": round(len(rows) / seconds, 2),
+                             "batch_size": batch_size, "device": model.device},
+                "versions": {"faiss": faiss.__version__}}
+    try:
+        DocStore.write(tmp, rows)
+        faiss.write_index(build_dense_index(vectors, IndexConfig(kind="flat")), str(tmp / "images.faiss"))
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return manifest
+
+
+def read_image_manifest(index_dir: str | os.PathLike) -> dict:
+    path = Path(index_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{index_dir} is not an image index (no {MANIFEST}); build one with "
+                                f"python -m actors.image_index --out {index_dir}")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexMismatchError(f"{path} is not a readable manifest ({e}); rebuild the index") from None
+    if manifest.get("kind") != "image":
+        raise IndexMismatchError(f"{path}: field 'kind' is {manifest.get('kind')!r}, not 'image' (a text retrieval "
+                                 f"index? those are searched by actors.retriever)")
+    return manifest
+
+
+def check_image_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identity: str,
+                         corpus_checksum: str | None = None) -> None:
+    """Raise :class:`IndexMismatchError` unless the index has this format, was embedded by the BiomedCLIP weights
+    ``encoder_identity`` names and, when ``corpus_checksum`` is given, from that corpus (captions and images)."""
+    rebuild = f"rebuild it with: python -m actors.image_index --out {index_dir} [--corpus ...] [--clip ...]"
+    if manifest.get("format") != IMAGE_INDEX_FORMAT:
+        raise IndexMismatchError(f"image index {index_dir} has format {manifest.get('format')}, this medray reads "
+                                 f"{IMAGE_INDEX_FORMAT}; {rebuild}")
+    if manifest["encoder"]["identity"] != encoder_identity:
+        raise IndexMismatchError(f"image index {index_dir} was embedded with {manifest['encoder']['identity']} but "
+                                 f"the given encoder is {encoder_identity}; {rebuild}")
+    if corpus_checksum is not None and manifest["corpus"]["sha256"] != corpus_checksum:
+        raise IndexMismatchError(f"image index {index_dir} was built from {manifest['corpus']['source']} (sha256 "
+                                 f"{manifest['corpus']['sha256'][:12]}...) but the given corpus (captions and images) "
+                                 f"has sha256 {corpus_checksum[:12]}...; {rebuild}")
+
+
+def default_index_dir(encoder_identity: str) -> Path:
+    from tasks.hpo import cache_dir
+    return cache_dir() / "indexes" / f"cdir-{encoder_identity.replace(':', '-')}"
+
+
+def ensure_image_index(out_dir: str | os.PathLike | None = None, corpus: str | os.PathLike | None = None,
+                       model=None, clip_path: str | None = None, batch_size: int = 32,
+                       progress: bool = False) -> Path:
+    """The image index directory (default: under medray's cache, one per encoder), (re)built first unless its
+    manifest matches this encoder and this corpus. Safe to call from several processes at once (a file lock)."""
+    from actors.biomedclip import load_biomedclip
+
+    model = model or load_biomedclip(clip_path)
+    corpus = Path(corpus) if corpus is not None else default_corpus()
+    out = Path(out_dir) if out_dir is not None else default_index_dir(model.identity)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out.with_name(f".{out.name}.lock")):
+        try:
+            check_image_manifest(read_image_manifest(out), out, model.identity, corpus_sha256(corpus))
+        except (FileNotFoundError, IndexMismatchError):
+            build_image_index(out, corpus, model, clip_path, batch_size, progress)
+    return out
+
+
+class LocalImageRetriever:
+    """Nearest corpus cases of query images, in this process: exact cosine over BiomedCLIP image embeddings.
+
+    ``model`` is a loaded BiomedCLIP, else one is loaded from ``clip_path`` or from the directory the manifest records
+    (None: the tiny one); ``corpus``, when given, must be the corpus the index was built from. Either mismatch raises
+    :class:`IndexMismatchError`.
+    """
+
+    def __init__(self, index_dir: str | os.PathLike, model=None, clip_path: str | None = None,
+                 corpus: str | os.PathLike | None = None):
+        import faiss
+
+        from actors.biomedclip import load_biomedclip
+
+        self.index_dir = Path(index_dir)
+        self.manifest = read_image_manifest(self.index_dir)
+        self.model = model or load_biomedclip(clip_path or self.manifest["encoder"]["path"])
+        check_image_manifest(self.manifest, self.index_dir, self.model.identity,
+                             corpus_sha256(corpus) if corpus is not None else None)
+        self.docs = DocStore(self.index_dir)
+        self.index = faiss.read_index(str(self.index_dir / "images.faiss"))
+        self.images_served = 0
+
+    def search(self, images: list, top_k: int = 1) -> list[list[dict]]:
+        """For each query image (PIL image or path), the ``top_k`` most similar corpus cases, best first:
+        ``{id, image_path, caption, score}`` (score = cosine); ties at equal score ordered by id."""
+        if not images:
+            return []
+        k = min(top_k, len(self.docs))
+        scores, rows = self.index.search(self.model.embed_images(load_images(images)), k)
+        self.images_served += len(images)
+        results = []
+        for row_ids, row_scores in zip(rows, scores):
+            hits = []
+            for row, score in zip(row_ids, row_scores):
+                if row >= 0:
+                    doc = self.docs[int(row)]
+                    hits.append({"id": doc["id"], "image_path": doc["image_path"], "caption": doc["caption"],
+                                 "score": float(score)})
+            results.append(sorted(hits, key=lambda h: (-h["score"], h["id"])))
+        return results
+
+    def stats(self) -> dict:
+        return {"images": len(self.docs), "queries": self.images_served, "encoder": self.model.identity}
+
+
+@ray.remote(max_restarts=3, max_task_retries=2)
+class ImageRetriever(LocalImageRetriever):
+    """:class:`LocalImageRetriever` as a Ray actor with its own thread budget; a search is read-only, so Ray may retry
+    it on the restarted actor after a crash."""
+
+    def __init__(self, index_dir: str, *, threads: int = 1, **kwargs):
+        import faiss
+
+        from cluster.devices import pin_threads
+
+        pin_threads(threads)
+        faiss.omp_set_num_threads(threads)
+        super().__init__(index_dir, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m actors.image_index", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--corpus", type=Path, default=None, help="image-caption JSONL (default: the imaging world's)")
+    parser.add_argument("--out", type=Path, default=None, help="index directory (default: under medray's cache)")
+    parser.add_argument("--clip", default=None, help="local BiomedCLIP open_clip directory (default: the tiny one)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    args = parser.parse_args(argv)
+    from actors.biomedclip import load_biomedclip
+
+    model = load_biomedclip(args.clip)
+    out = args.out or default_index_dir(model.identity)
+    manifest = build_image_index(out, args.corpus, model, args.clip, args.batch_size, progress=True)
+    print(f"wrote {out}: {manifest['corpus']['rows']} images embedded by {model.identity} at "
+          f"{manifest['encoding']['images_per_s']} images/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,417 @@
+"""Medical image tools for tool-using policies (MedVistaGym's Gym, MedVR's zoom-in): one interface, a registry, and
+the tools that run offline.
+
+A tool is a :class:`BaseTool` subclass: a ``name``, a ``description``, a pydantic model ``Args`` whose JSON schema is
+what the policy is told to write, :meth:`BaseTool.validate` (raw JSON arguments + the task's images -> typed
+arguments, or a :class:`ToolArgumentError` whose message the policy reads), and :meth:`BaseTool.run_batch` (many
+validated calls -> one :class:`ToolResult` each; a failing call gives a result with ``error``, never an exception for
+the whole batch). Validation is a classmethod: it needs no model, so the rollout side rejects bad calls before they
+reach a tool actor. Construction loads whatever the tool keeps resident (weights, a retriever handle); images are read
+from the task's absolute ``images`` paths and kept in a small per-tool LRU cache.
+
+Coordinates are pixels of the full-resolution image, ``[x0, y0, x1, y1]`` with x1/y1 exclusive (the imaging world's
+convention): ``image[y0:y1, x0:x1]`` is the region.
+
+Plugging in a model-backed tool (MedSAM2, BiomedParse, a super-resolution network) on a cluster that has its weights
+is the same three steps as the tools below, with nothing else to change::
+
+    @register_tool
+    class Segment(ImageTool):                      # ImageTool: image index, optional box, image cache
+        name = "medsam2"
+        description = "Segment the structure inside a box; returns its mask, area and bounding box."
+        Args = SegmentArgs                         # e.g. box: Box, plus whatever prompt the model takes
+
+        def __init__(self, checkpoint: str, device: str | None = None, **kw):
+            super().__init__(**kw)
+            self.model = load_medsam2(checkpoint, device)   # resident for the actor's life
+
+        def run_batch(self, calls):                # one forward over every call's crop
+            masks = self.model.predict([self.region(c)[0] for c in calls], ...)
+            return [ToolResult(text=..., masks=[m], boxes=[mask_box(m)], measurements={"area_px": m.sum()})
+                    for m in masks]
+
+and ``tools: {medsam2: {num_gpus: 1, options: {checkpoint: /models/medsam2.pt}}}`` in the recipe's ToolsConfig
+(``actors.gym``): the factory starts ``ToolActor-medsam2-<i>`` with the model on its GPU, and the recipe lists it in
+``allowed``. Masks travel in ``ToolResult.masks`` (boolean arrays), super-resolved crops in ``ToolResult.images``.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Annotated, ClassVar, Literal
+
+import numpy as np
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ToolArgumentError(ValueError):
+    """A call the tool cannot run; the message is written for the policy to read and correct."""
+
+
+@dataclass
+class ToolResult:
+    """Structured evidence from one call: text the policy reads, boxes (``[x0, y0, x1, y1]`` full-resolution pixels)
+    with a score each where the tool ranks them, boolean masks, named measurements, PIL images (crops, enhanced
+    regions), or the error that replaced them."""
+    text: str = ""
+    boxes: list[list[int]] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    masks: list[np.ndarray] = field(default_factory=list)
+    measurements: dict[str, float] = field(default_factory=dict)
+    images: list = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a call may refer to: the task's images (absolute paths, in order)."""
+    images: tuple[str, ...] = ()
+
+    @classmethod
+    def from_task(cls, task: dict) -> ToolContext:
+        return cls(tuple(task.get("images") or ()))
+
+    def size(self, index: int) -> tuple[int, int]:
+        """(width, height) of image ``index``, read from the file header only."""
+        return image_size(self.images[index])
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A validated call: typed arguments and the context they were validated against."""
+    args: BaseModel
+    context: ToolContext
+
+
+@lru_cache(maxsize=4096)
+def image_size(path: str) -> tuple[int, int]:
+    with Image.open(path) as im:
+        return im.size
+
+
+def load_image(path: str) -> np.ndarray:
+    """Pixels as uint8, H x W (grayscale) or H x W x 3, read-only so that a cached image cannot be altered."""
+    with Image.open(path) as im:
+        arr = np.asarray(im if im.mode in ("L", "RGB") else im.convert("RGB"))
+    arr.flags.writeable = False
+    return arr
+
+
+Box = Annotated[list[int], Field(min_length=4, max_length=4,
+                                 description="[x0, y0, x1, y1] in full-resolution pixels, x1 and y1 exclusive")]
+
+
+class ToolArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ImageArgs(ToolArgs):
+    image: int = Field(0, ge=0, description="which of the task's images (0 is the first)")
+
+
+class RegionArgs(ImageArgs):
+    box: Box | None = Field(None, description="[x0, y0, x1, y1] in full-resolution pixels; omit for the whole image")
+
+
+class ZoomInArgs(ImageArgs):
+    box: Box
+
+
+class EnhanceArgs(RegionArgs):
+    method: Literal["clahe", "denoise", "brighten"]
+
+
+class FindRegionsArgs(RegionArgs):
+    max_regions: int = Field(5, ge=1, le=20)
+
+
+class LabelArgs(RegionArgs):
+    labels: list[Annotated[str, Field(min_length=1, max_length=100)]] = Field(min_length=2, max_length=16)
+
+
+class QueryArgs(ToolArgs):
+    query: str = Field(min_length=1, max_length=512)
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """pydantic's errors as the policy should read them: 'box: List should have at least 4 items; ...'."""
+    parts = []
+    for e in error.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "arguments"
+        parts.append(f"{where}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def check_box(box: list[int], size: tuple[int, int], image: int) -> None:
+    """A box must be non-empty and lie inside the image: 0 <= x0 < x1 <= width, 0 <= y0 < y1 <= height."""
+    x0, y0, x1, y1 = box
+    width, height = size
+    if x0 >= x1 or y0 >= y1:
+        raise ToolArgumentError(f"box {box} is empty: need x0 < x1 and y0 < y1")
+    if x0 < 0 or y0 < 0 or x1 > width or y1 > height:
+        raise ToolArgumentError(f"box {box} lies outside image {image} ({width} x {height} px): need "
+                                f"0 <= x0 < x1 <= {width} and 0 <= y0 < y1 <= {height}")
+
+
+class BaseTool:
+    """One tool: a name, a description, typed arguments, validation, batched execution (see the module doc)."""
+    name: ClassVar[str]
+    description: ClassVar[str]
+    Args: ClassVar[type[ToolArgs]]
+
+    @classmethod
+    def schema(cls) -> dict:
+        """The function description a policy's prompt lists: name, description, JSON schema of the arguments."""
+        return {"name": cls.name, "description": cls.description, "parameters": cls.Args.model_json_schema()}
+
+    @classmethod
+    def validate(cls, args, context: ToolContext) -> ToolArgs:
+        """Raw arguments (a JSON object) -> typed arguments, or ToolArgumentError saying what to fix."""
+        if not isinstance(args, dict):
+            raise ToolArgumentError(f"{cls.name}: arguments must be a JSON object, got {type(args).__name__}")
+        try:
+            typed = cls.Args.model_validate(args)
+        except ValidationError as e:
+            raise ToolArgumentError(f"{cls.name}: {describe_validation_error(e)}") from None
+        cls.check(typed, context)
+        return typed
+
+    @classmethod
+    def check(cls, args: ToolArgs, context: ToolContext) -> None:
+        """Checks that need the task (image index, box inside the image); raise ToolArgumentError."""
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """One result per call, in order; an exception in one call becomes that call's error."""
+        return [self._guarded(self.run, call) for call in calls]
+
+    def run(self, call: ToolCall) -> ToolResult:
+        raise NotImplementedError
+
+    @staticmethod
+    def _guarded(fn, *args) -> ToolResult:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001  one bad call must not fail the batch of other episodes
+            return ToolResult(error=f"{type(e).__name__}: {e}")
+
+
+TOOLS: dict[str, type[BaseTool]] = {}
+
+
+def register_tool(cls: type[BaseTool]) -> type[BaseTool]:
+    """Class decorator: make a tool available by its ``name`` to configs and the Gym."""
+    if cls.name in TOOLS and TOOLS[cls.name] is not cls:
+        raise ValueError(f"tool {cls.name!r} is already registered by {TOOLS[cls.name].__qualname__}")
+    TOOLS[cls.name] = cls
+    return cls
+
+
+def tool_class(name: str) -> type[BaseTool]:
+    if name not in TOOLS:
+        raise KeyError(f"unknown tool {name!r}; registered: {sorted(TOOLS)}")
+    return TOOLS[name]
+
+
+def make_tool(name: str, **kwargs) -> BaseTool:
+    """An instance of the registered tool ``name``, its resources loaded (kwargs go to its constructor)."""
+    return tool_class(name)(**kwargs)
+
+
+# ---- image tools -------------------------------------------------------------------------------------------------
+
+
+class ImageTool(BaseTool):
+    """A tool over one of the task's images, optionally restricted to a box; images are cached per tool."""
+    Args = RegionArgs
+
+    def __init__(self, cache_size: int = 64):
+        self.load = functools.lru_cache(maxsize=cache_size)(load_image)
+
+    @classmethod
+    def check(cls, args: ImageArgs, context: ToolContext) -> None:
+        if not context.images:
+            raise ToolArgumentError(f"{cls.name}: this question has no image")
+        if args.image >= len(context.images):
+            raise ToolArgumentError(f"{cls.name}: image {args.image} does not exist; the question has "
+                                    f"{len(context.images)} image(s), numbered from 0")
+        if getattr(args, "box", None) is not None:
+            check_box(args.box, context.size(args.image), args.image)
+
+    def region(self, call: ToolCall) -> tuple[np.ndarray, list[int]]:
+        """The pixels the call is about (the box, else the whole image) and that box."""
+        pixels = self.load(call.context.images[call.args.image])
+        box = call.args.box or [0, 0, pixels.shape[1], pixels.shape[0]]
+        x0, y0, x1, y1 = box
+        return pixels[y0:y1, x0:x1], list(box)
+
+
+def intensity(pixels: np.ndarray) -> np.ndarray:
+    """Grayscale intensity as float32 (the channel mean for RGB)."""
+    return pixels.astype(np.float32) if pixels.ndim == 2 else pixels.astype(np.float32).mean(axis=2)
+
+
+def where(image: int, box: list[int]) -> str:
+    return f"image {image} region [{', '.join(map(str, box))}] ({box[2] - box[0]} x {box[3] - box[1]} px)"
+
+
+@register_tool
+class ZoomIn(ImageTool):
+    """MedVR's zoom-in: the box cropped from the full-resolution image (no resampling; the policy's image
+    processor scales it)."""
+    name = "zoom_in"
+    description = "Crop a region of the full-resolution image to look at it closely."
+    Args = ZoomInArgs
+
+    def run(self, call: ToolCall) -> ToolResult:
+        crop, box = self.region(call)
+        gray = intensity(crop)
+        stats = {"width": float(crop.shape[1]), "height": float(crop.shape[0]),
+                 "mean_intensity": float(gray.mean()), "std_intensity": float(gray.std())}
+        text = (f"zoom_in: {where(call.args.image, box)} at full resolution; mean intensity "
+                f"{stats['mean_intensity']:.1f}, contrast (std) {stats['std_intensity']:.1f}.")
+        return ToolResult(text=text, boxes=[box], measurements=stats, images=[Image.fromarray(np.array(crop))])
+
+
+def enhance_pixels(pixels: np.ndarray, method: str) -> np.ndarray:
+    """uint8 pixels enhanced with scikit-image: CLAHE (contrast-limited adaptive histogram equalisation, on the value
+    channel for colour), total-variation denoising (Chambolle), or gamma 0.6 brightening."""
+    from skimage import exposure, restoration, util
+
+    image = util.img_as_float(pixels)
+    if method == "clahe":
+        out = exposure.equalize_adapthist(image, clip_limit=0.02)
+    elif method == "denoise":
+        out = restoration.denoise_tv_chambolle(image, weight=0.06, channel_axis=-1 if image.ndim == 3 else None)
+    elif method == "brighten":
+        out = exposure.adjust_gamma(image, 0.6)
+    else:
+        raise ValueError(f"unknown enhancement {method!r}")
+    return util.img_as_ubyte(np.clip(out, 0.0, 1.0))
+
+
+@register_tool
+class Enhance(ImageTool):
+    name = "enhance"
+    description = ("Enhance the image or a box of it: 'clahe' (local contrast), 'denoise' (smooth noise, keep edges) "
+                   "or 'brighten' (lift dark tones).")
+    Args = EnhanceArgs
+
+    def run(self, call: ToolCall) -> ToolResult:
+        pixels, box = self.region(call)
+        out = enhance_pixels(pixels, call.args.method)
+        before, after = intensity(pixels), intensity(out)
+        stats = {"mean_before": float(before.mean()), "mean_after": float(after.mean()),
+                 "std_before": float(before.std()), "std_after": float(after.std())}
+        text = (f"enhance ({call.args.method}): {where(call.args.image, box)}; mean intensity "
+                f"{stats['mean_before']:.1f} -> {stats['mean_after']:.1f}, contrast (std) "
+                f"{stats['std_before']:.1f} -> {stats['std_after']:.1f}.")
+        return ToolResult(text=text, boxes=[box], measurements=stats, images=[Image.fromarray(out)])
+
+
+def candidate_regions(pixels: np.ndarray, max_regions: int, window: int = 21, threshold: float = 4.0,
+                      min_area: int = 15) -> list[tuple[list[int], float]]:
+    """Blobs that deviate from an edge-preserving background: residual r = G_1 * I - median_window(I) (the median,
+    on a half-resolution grid, removes blobs narrower than about half its window but keeps the edges of larger
+    anatomy); robust z = |r - median r| / (1.4826 MAD); connected components of z > threshold (opened, then closed),
+    scored by mean z * sqrt(area). Returns (box, score), best first; boxes in the input's pixel coordinates."""
+    from scipy import ndimage
+
+    gray = intensity(pixels)
+    if min(gray.shape) < 4:
+        return []
+    coarse = ndimage.median_filter(gray[::2, ::2], size=max(3, window // 2))
+    background = np.repeat(np.repeat(coarse, 2, axis=0), 2, axis=1)[:gray.shape[0], :gray.shape[1]]
+    residual = ndimage.gaussian_filter(gray, 1.0) - ndimage.gaussian_filter(background, 1.0)
+    centre = np.median(residual)
+    z = np.abs(residual - centre) / (1.4826 * np.median(np.abs(residual - centre)) + 1e-6)
+    mask = ndimage.binary_closing(ndimage.binary_opening(z > threshold), iterations=2)
+    labels, _ = ndimage.label(mask)
+    found = []
+    for i, sl in enumerate(ndimage.find_objects(labels), start=1):
+        component = labels[sl] == i
+        area = int(component.sum())
+        if area >= min_area:
+            box = [sl[1].start, sl[0].start, sl[1].stop, sl[0].stop]
+            found.append((box, float(z[sl][component].mean() * np.sqrt(area))))
+    found.sort(key=lambda item: (-item[1], item[0]))
+    return found[:max_regions]
+
+
+@register_tool
+class FindRegions(ImageTool):
+    name = "find_regions"
+    description = "Find candidate abnormal regions (blobs that stand out from the background); returns scored boxes."
+    Args = FindRegionsArgs
+
+    def run(self, call: ToolCall) -> ToolResult:
+        pixels, (ox, oy, _, _) = self.region(call)
+        found = [([x0 + ox, y0 + oy, x1 + ox, y1 + oy], score)
+                 for (x0, y0, x1, y1), score in candidate_regions(pixels, call.args.max_regions)]
+        listing = "; ".join(f"[{', '.join(map(str, b))}] score {s:.1f}" for b, s in found) or "none"
+        return ToolResult(text=f"find_regions: image {call.args.image}: {len(found)} candidate region(s): {listing}.",
+                          boxes=[b for b, _ in found], scores=[s for _, s in found])
+
+
+@register_tool
+class BiomedCLIPLabels(ImageTool):
+    """Zero-shot labels from BiomedCLIP (actors.biomedclip): softmax over labels of the scaled cosine between the
+    region's image embedding and "this is a photo of <label>"."""
+    name = "biomedclip_labels"
+    description = "Score candidate labels for the image or a box of it with BiomedCLIP zero-shot classification."
+    Args = LabelArgs
+
+    def __init__(self, path: str | None = None, device: str | None = None, cache_size: int = 64):
+        from actors.biomedclip import load_biomedclip
+
+        super().__init__(cache_size)
+        self.model = load_biomedclip(path, device=device)
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """Calls that share a label list go through one zero_shot forward together."""
+        results: list[ToolResult | None] = [None] * len(calls)
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i, call in enumerate(calls):
+            groups.setdefault(tuple(call.args.labels), []).append(i)
+        for labels, rows in groups.items():
+            try:
+                regions = [self.region(calls[i]) for i in rows]
+                probs = self.model.zero_shot([Image.fromarray(np.array(p)) for p, _ in regions], list(labels))
+            except Exception as e:  # noqa: BLE001
+                for i in rows:
+                    results[i] = ToolResult(error=f"{type(e).__name__}: {e}")
+                continue
+            for i, (_, box), row in zip(rows, regions, probs):
+                ranked = sorted(zip(labels, row.tolist()), key=lambda lp: -lp[1])
+                listing = ", ".join(f"{label} {p:.2f}" for label, p in ranked)
+                results[i] = ToolResult(text=f"biomedclip_labels: {where(calls[i].args.image, box)}: {listing}.",
+                                        boxes=[box], measurements=dict(ranked))
+        return results
+
+
+@register_tool
+class RetrieveKnowledge(BaseTool):
+    """Knowledge-base search through a Retriever actor (or a ShardedRetriever) handle held for the tool's life."""
+    name = "retrieve_knowledge"
+    description = "Search the medical knowledge base; returns the best matching passages."
+    Args = QueryArgs
+
+    def __init__(self, retriever, top_k: int = 3):
+        self.retriever, self.top_k = retriever, top_k
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        """Every query of the batch in one search call."""
+        import ray
+
+        from actors.environment import retrieval_text
+
+        queries = [call.args.query for call in calls]
+        search = getattr(self.retriever, "search_async", None)
+        try:
+            hits = ray.get(search(queries, self.top_k) if search else
+                           self.retriever.search.remote(queries, self.top_k))
+        except Exception as e:  # noqa: BLE001
+            return [ToolResult(error=f"retrieval failed ({type(e).__name__})") for _ in calls]
+        return [ToolResult(text=f"retrieve_knowledge: {retrieval_text(h[:self.top_k], None)}",
+                           measurements={"hits": float(len(h))}) for h in hits]

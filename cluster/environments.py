@@ -1,0 +1,67 @@
+"""The service actors of a run beside rollout, learner and reward roles: what the policy acts on during rollouts
+(retrievers) and what rewards call (the LLM judge) — which start, with what, and where (one placement bundle each)."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from actors.environment import Environment, RetrievalEnvironment
+from cluster.placement import Placement
+
+
+def default_index_dir(kb: str, kind: str, shards: int) -> Path:
+    """Where the index of knowledge base `kb` is cached: one directory per corpus path, kind and shard count."""
+    from tasks.hpo import cache_dir
+
+    tag = hashlib.sha256(str(Path(kb).resolve()).encode() if kb != "hpo" else b"hpo").hexdigest()[:10]
+    return cache_dir() / "indexes" / f"{Path(kb).stem}-{kind}-{shards}shard-{tag}"
+
+
+def environment_roles(cfg) -> tuple[str, ...]:
+    """The placement roles the run's environment needs: none unless some stage's grammar lets the policy act and
+    a retriever serves it (directly, or as the tool Gym's retrieve_knowledge). Tool actors take the resources their
+    own section gives them (`tools.tools.<name>`), outside these placement groups."""
+    acts = any(cfg.for_stage(i).rollout.grammar.action_tag for i in range(len(cfg.stage_plan())))
+    return ("retriever",) if acts and cfg.retrieval is not None else ()
+
+
+def service_roles(cfg) -> tuple[str, ...]:
+    """Every placement role beyond the trainer's own: the environment's, and the judge's when configured."""
+    return environment_roles(cfg) + (("judge",) if cfg.judge is not None else ())
+
+
+def start_judge(cfg, placement: Placement):
+    """The JudgeActor, named "JudgeActor" so that judge rewards in every reward actor find it; None without a judge
+    section."""
+    if cfg.judge is None:
+        return None
+    import ray
+
+    from actors.judge import JudgeActor
+    judge = JudgeActor.options(**placement.options("judge", 0, "JudgeActor")).remote(cfg.judge.model_dump(),
+                                                                                    cfg.cluster.judge.threads)
+    ray.get(judge.stats.remote())  # started (model loaded), or its error surfaces here
+    return judge
+
+
+def start_environment(cfg, placement: Placement) -> Environment | None:
+    """Build the index if needed and start the Retriever actors on their bundles, and the tool actors when the run
+    has a tools section (the Gym is then the environment, its retrieve_knowledge tool searching the retriever);
+    None for a single-turn grammar."""
+    acts = any(cfg.for_stage(i).rollout.grammar.action_tag for i in range(len(cfg.stage_plan())))
+    if not acts:
+        return None
+    retriever = None
+    if "retriever" in environment_roles(cfg):
+        from actors.build_index import ensure_index
+        from actors.retriever import ShardedRetriever
+
+        r = cfg.retrieval
+        index_dir = Path(r.index_dir) if r.index_dir else default_index_dir(r.kb, r.index.kind, r.shards)
+        ensure_index(r.kb, index_dir, r.encoder, r.index, shards=r.shards, progress=True)
+        retriever = ShardedRetriever(index_dir, threads=cfg.cluster.retriever.threads, config=r.search,
+                                     actor_options=lambda i: placement.options("retriever", i, f"Retriever-{i}"))
+    if cfg.tools is not None:
+        from actors.gym import make_tool_environment
+        return make_tool_environment(cfg.tools, retriever)
+    return RetrievalEnvironment(retriever, top_k=cfg.retrieval.search.top_k, timeout_s=cfg.retrieval.timeout_s)

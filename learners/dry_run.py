@@ -1,0 +1,114 @@
+"""Resolve a run without starting it: every stage's config, which actor gets which devices, and memory per device.
+
+    python learners/run.py --config configs/med_rwr_cluster.yaml --dry-run [--gpus-per-node 8 --gpu-memory-gb 80]
+
+Nothing is started and no GPU is needed, so a cluster config is checked on a laptop. Placement follows the
+trainer's: one placement group per role, bundle i of a role for actor i, packed onto nodes in role order (Ray's PACK
+strategy). Memory is the standard mixed-precision accounting (Rajbhandari et al. 2020, ZeRO): per parameter 2 bytes
+of bf16/fp16 weights and 2 of gradients, plus 12 of fp32 master weights and Adam moments (fp32 training: 4 + 4 + 8);
+ZeRO-2 partitions gradients and optimizer state over the ranks, ZeRO-3 the weights too. Activations and the CUDA
+context are not included: leave headroom.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from learners.config import RunConfig
+
+GiB = 2**30
+
+
+def parameter_count(cfg: RunConfig) -> tuple[int, str]:
+    """(parameters, where the number came from): the model's config.json built on the meta device (no weights
+    read), else `model.size_hint_b`, else the tiny model's config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+        config, source = AutoConfig.from_pretrained(cfg.model.path), f"{cfg.model.path}/config.json"
+    elif cfg.model.path and cfg.model.size_hint_b:
+        return int(cfg.model.size_hint_b * 1e9), f"model.size_hint_b ({cfg.model.path} is not readable here)"
+    elif cfg.model.path:
+        raise FileNotFoundError(f"model.path {cfg.model.path} is not readable here: set model.size_hint_b (billions of "
+                                f"parameters) for the dry run's memory estimate")
+    else:
+        from learners.tiny_models import ensure_tiny_model
+        config, source = AutoConfig.from_pretrained(ensure_tiny_model(cfg.model.tiny)), "model.tiny"
+    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    return sum(p.numel() for p in model.parameters()), source
+
+
+def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, reference: bool) -> float:
+    """Bytes per learner rank for weights, gradients and Adam state under ZeRO-`zero_stage` over `ranks`."""
+    half = dtype in ("bfloat16", "float16")
+    weights, grads, optim = (2, 2, 12) if half else (4, 4, 8)
+    per_param = (weights if zero_stage == 2 else weights / ranks) + (grads + optim) / ranks
+    return params * (per_param + (weights if reference else 0))
+
+
+def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int) -> list[dict]:
+    """Bundles packed onto nodes in role order: each actor's node and GPU indices (fractions share a GPU)."""
+    plan, node, gpu_cursor = [], 0, 0.0
+    for role in roles:
+        res = getattr(cfg.cluster, role)
+        for i in range(res.num):
+            need = res.num_gpus
+            if need and math.ceil(gpu_cursor + need - 1e-9) > gpus_per_node:
+                node, gpu_cursor = node + 1, 0.0
+            first = math.floor(gpu_cursor + 1e-9)
+            gpus = list(range(first, math.ceil(gpu_cursor + need - 1e-9))) if need else []
+            plan.append({"actor": f"{role}-{i}", "role": role, "node": node if need else None, "gpus": gpus,
+                         "gpu_share": need, "cpus": res.num_cpus})
+            gpu_cursor += need
+    return plan
+
+
+def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0) -> dict:
+    from cluster.environments import service_roles
+    from cluster.placement import ROLES
+
+    roles = ROLES + service_roles(cfg)
+    params, source = parameter_count(cfg)
+    stages = [{"name": s.name, "kind": s.kind, "steps": s.steps, **({"set": s.set} if s.set else {})}
+              for s in cfg.stage_plan()]
+    kl = any(cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
+    weight_bytes = params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
+    learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num, kl)
+    # vLLM takes gpu_memory_utilization of the device for weights + KV cache, whatever the model's size.
+    rollout = cfg.rollout.gpu_memory_utilization * gpu_memory_gb * GiB
+    per_role = {"learner": learner / GiB, "rollout": rollout / GiB}
+    if cfg.judge is not None and cfg.judge.backend == "vllm":  # vLLM's share of each of its GPUs
+        per_role["judge"] = cfg.judge.gpu_memory_utilization * gpu_memory_gb * max(cfg.cluster.judge.num_gpus, 1)
+    placement = device_plan(cfg, roles, gpus_per_node)
+    for row in placement:  # reward models are the user's choice: no estimate (None) for them
+        known = row["gpus"] and row["role"] in per_role
+        row["memory_gib"] = round(per_role[row["role"]], 1) if known else None
+    warnings = [f"{row['actor']}: ~{row['memory_gib']} GiB estimated but its GPUs have "
+                f"{gpu_memory_gb * max(len(row['gpus']), 1):g} GiB" for row in placement
+                if row["memory_gib"] and row["memory_gib"] > gpu_memory_gb * max(len(row["gpus"]), 1)]
+    if weight_bytes > 0.9 * rollout:
+        warnings.append(f"rollout: the weights alone ({weight_bytes / GiB:.1f} GiB) leave little or no KV cache in "
+                        f"gpu_memory_utilization x {gpu_memory_gb:g} GiB; raise rollout.gpu_memory_utilization")
+    return {"parameters": params, "parameters_from": source, "stages": stages,
+            "gpus": sum(row["gpu_share"] for row in placement), "nodes": 1 + max(
+                [row["node"] for row in placement if row["node"] is not None], default=0),
+            "learner_gib_per_rank": round(learner / GiB, 1), "rollout_gib_per_worker": round(per_role["rollout"], 1),
+            "placement": placement, "warnings": warnings}
+
+
+def print_plan(plan: dict) -> None:
+    print(f"model: {plan['parameters'] / 1e9:.3f}B parameters ({plan['parameters_from']})")
+    for s in plan["stages"]:
+        print(f"stage {s['name']} ({s['kind']}, {s['steps']} steps){': ' + json.dumps(s['set']) if 'set' in s else ''}")
+    print(f"{'actor':<14} {'node':>4} {'gpus':<12} {'cpus':>5} {'est. GiB':>9}   (reward models: not estimated)")
+    for row in plan["placement"]:
+        gpus = ",".join(map(str, row["gpus"])) + (f" ({row['gpu_share']:g})" if 0 < row["gpu_share"] < 1 else "")
+        print(f"{row['actor']:<14} {'' if row['node'] is None else row['node']:>4} {gpus or '-':<12} "
+              f"{row['cpus']:>5g} {'' if row['memory_gib'] is None else row['memory_gib']:>9}")
+    print(f"total: {plan['gpus']:g} GPUs on {plan['nodes']} node(s)")
+    for w in plan["warnings"]:
+        print(f"warning: {w}")

@@ -1,0 +1,74 @@
+"""ARMed's medical thinking knowledge injection (003_16ec4d72bad9d774.txt, sec. 3.4): the SFT stage between its two
+RL stages trains on the RL model's own reasoning for a compact, diverse set of representative questions.
+
+    D_core = {(x_i, y_i) | f(y_i) > tau}                       (Eqn. 12, f = frequency of the answer)
+    C      = KMeans({E(x_i) | (x_i, y_i) in D_core})            (Eqn. 14, E = a sentence encoder)
+    (x_k*, y_k*) = argmin_{(x_i, y_i) in c_k} ||E(x_i) - mu_k|| (Eqn. 15)
+
+The trainer samples the current policy on those questions (an `sft` stage with `sft.data: self`) and keeps, per
+question, its correct rollouts as demonstrations; a question with none keeps the policy's reasoning with the gold
+answer in place of its own (the answer is the paper's "semantic anchor" that guides the reasoning).
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+
+
+def question_text(task: dict) -> str:
+    """The last user message of a task (its text parts): what E(x) embeds."""
+    content = [m for m in task["messages"] if m["role"] == "user"][-1]["content"]
+    if isinstance(content, list):
+        content = " ".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return content
+
+
+def representative_tasks(answers: list[str], embeddings: np.ndarray, min_frequency: int, clusters: int,
+                         seed: int = 0) -> list[int]:
+    """Indices of the representative questions: K-means (k = `clusters`, at most |D_core|) over the embeddings of
+    the questions whose answer occurs more than `min_frequency` times, and in each cluster the question nearest its
+    centroid. Deterministic given `seed`."""
+    from scipy.cluster.vq import kmeans2
+
+    counts = Counter(answers)
+    core = [i for i, a in enumerate(answers) if counts[a] > min_frequency]
+    if not core:
+        raise ValueError(f"no answer occurs more than {min_frequency} times: lower sft.min_answer_frequency")
+    k = min(clusters, len(core))
+    points = embeddings[core].astype(np.float64)
+    centroids, labels = kmeans2(points, k, seed=seed, minit="++")
+    chosen = []
+    for c in range(k):
+        members = np.flatnonzero(labels == c)
+        if len(members):
+            nearest = members[np.argmin(np.linalg.norm(points[members] - centroids[c], axis=1))]
+            chosen.append(core[int(nearest)])
+    return sorted(chosen)
+
+
+def segments_of(trajectory, tokenizer) -> list[dict]:
+    """A trajectory as demonstration segments: each run of policy tokens or environment tokens, decoded."""
+    segments, start = [], 0
+    ids, mask = trajectory.response_ids, trajectory.loss_mask
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or mask[end] != mask[start]:
+            segments.append({"role": "policy" if mask[start] else "environment",
+                             "text": tokenizer.decode(ids[start:end], skip_special_tokens=False)})
+            start = end
+    return segments
+
+
+def anchored_segments(segments: list[dict], gold: str, answer_tag: str = "answer") -> list[dict]:
+    """The policy's segments with its final answer replaced by the gold one (text after the last <answer> dropped);
+    a rollout that never answered gets the gold answer appended."""
+    out = [dict(s) for s in segments]
+    last_policy = max((i for i, s in enumerate(out) if s["role"] == "policy"), default=None)
+    anchored = f"<{answer_tag}>{gold}</{answer_tag}>"
+    if last_policy is None:
+        return out + [{"role": "policy", "text": anchored}]
+    text = out[last_policy]["text"]
+    cut = text.rfind(f"<{answer_tag}>")
+    out[last_policy]["text"] = (text[:cut] if cut >= 0 else re.sub(r"\s+$", "", text)) + anchored
+    return out[:last_policy + 1]

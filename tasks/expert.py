@@ -1,0 +1,189 @@
+"""Scripted-expert demonstrations for cold starts (SFT before RL): episodes written in a recipe's tag grammar, with
+the environment's turns produced by the real environment, exactly as a rollout would see them.
+
+    python -m tasks.expert --config configs/med_rwr.yaml --data hpo:mcq_train --out demos.jsonl [--limit N]
+    python -m tasks.expert --config configs/medvistagym.yaml --data imaging:finding_mcq_train --out demos.jsonl
+
+The run config says which grammar, environment and tokenizer to follow:
+- reasoning with retrieval (a `retrieval` section; Med-RwR's <query>/<retrieve>, Med-R3's <search>/<document>): the
+  expert thinks, queries the knowledge base with the patient's phenotypes (an imaging task: its finding's name), reads
+  the hits (the real retriever over the run's index, formatted and cut to `max_observation_tokens` as the rollout
+  engine does), and answers with the gold option. A diagnosis task whose gold disease is not among the hits the policy
+  would see gets no demonstration (the expert does not guess; the count is reported).
+- tools (a `tools` section; MedVR, MedVistaGym): the expert zooms into the gold box through the real tool actors
+  (`actors.gym.MedicalGym`), then, when the recipe allows retrieve_knowledge, looks the finding up, then answers.
+- single turn: think, then answer.
+
+Each line is {"task", "segments": [{"role": "policy" | "environment", "text", "images"?}]}: what an `sft` stage
+trains on, environment segments masked from the loss. Image observations (crops) are saved as PNG beside the output
+(`<out>.images/`) and listed in their segment's `images`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def phenotypes_of(task: dict) -> list[str]:
+    """The phenotype names a diagnosis question lists ("A patient has: a; b; c. Which ...")."""
+    question = [m for m in task["messages"] if m["role"] == "user"][-1]["content"]
+    if isinstance(question, list):
+        question = " ".join(part.get("text", "") for part in question if isinstance(part, dict))
+    listed = question.split(":", 1)[1].split(". Which", 1)[0] if ":" in question else question
+    return [p.strip() for p in listed.split(";") if p.strip()]
+
+
+def expert_query(task: dict) -> str:
+    """What the expert searches: an imaging task's finding name, else the question's phenotypes."""
+    finding = (task.get("metadata") or {}).get("hpo_name")
+    return finding if finding and task.get("images") else "; ".join(phenotypes_of(task))
+
+
+def cut_observation(grammar, body: str, tokenizer) -> str:
+    """The environment's turn as the rollout engine inserts it: wrapped in the grammar's tags, cut to its limit."""
+    ids = tokenizer.encode(grammar.wrap_observation(body), add_special_tokens=False)
+    return tokenizer.decode(ids[:grammar.max_observation_tokens], skip_special_tokens=False)
+
+
+def answer_segment(task: dict, grammar, thought: str) -> dict:
+    return {"role": "policy", "text": f"<think>{thought}</think>\n<{grammar.answer_tag}>{task['answer']}"
+                                      f"</{grammar.answer_tag}>"}
+
+
+def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer) -> dict | None:
+    """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown."""
+    from actors.environment import retrieval_text
+
+    observation = cut_observation(grammar, retrieval_text(hits, None), tokenizer)
+    doc_id = (task.get("metadata") or {}).get("kb_doc_id")
+    if doc_id:
+        shown = [h for h in hits if h.get("doc_id") == doc_id and f"] {h['title']}:" in observation]
+        if not shown:  # the gold document was not retrieved, or cut from what the policy would see
+            return None
+        thought = f"The knowledge base names {shown[0]['title']}: option {task['answer']}."
+    else:
+        thought = "The retrieved knowledge and the image agree."
+    action = grammar.action_tag
+    return {"task": task, "segments": [
+        {"role": "policy", "text": f"<think>What is known about these findings? Look it up.</think>\n"
+                                   f"<{action}>{expert_query(task)}</{action}>"},
+        {"role": "environment", "text": observation},
+        answer_segment(task, grammar, thought)]}
+
+
+def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | None) -> dict:
+    """Zoom into the gold box (then retrieve_knowledge for the finding when allowed), through the real tool actors."""
+    gym.reset(task)
+    calls = [("The finding may be small: inspect it at full resolution.",
+              {"name": "zoom_in", "arguments": {"box": [int(v) for v in task["gold_boxes"][0]]}})]
+    if "retrieve_knowledge" in gym.env.allowed:
+        calls.append(("What does this finding indicate?",
+                      {"name": "retrieve_knowledge", "arguments": {"query": expert_query(task)}}))
+    segments = []
+    for turn, (thought, call) in enumerate(calls):
+        policy = f"<think>{thought}</think>\n<{grammar.action_tag}>{json.dumps(call)}</{grammar.action_tag}>"
+        observation, done, info = gym.step(policy)
+        if info["record"].get("error") is not None or done:
+            raise RuntimeError(f"task {task['id']}: the expert's {call['name']} call failed: {observation.text}")
+        segment = {"role": "environment", "text": cut_observation(grammar, observation.text, tokenizer)}
+        if observation.images and image_dir is not None:
+            image_dir.mkdir(parents=True, exist_ok=True)
+            segment["images"] = []
+            for k, image in enumerate(observation.images):
+                path = image_dir / f"{task['id']}-{turn}-{k}.png"
+                image.save(path)
+                segment["images"].append(str(path.resolve()))
+        segments += [{"role": "policy", "text": policy}, segment]
+    return {"task": task, "segments": segments + [answer_segment(task, grammar, "The close-up shows the finding.")]}
+
+
+def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, progress: bool = True) -> dict:
+    """Demonstrations for the tasks of `data` under run config `cfg` (its grammar, environment, tokenizer)."""
+    from tqdm import tqdm
+    from transformers import AutoTokenizer
+
+    from learners.data import load_tasks
+    from learners.tiny_models import ensure_tiny_model
+
+    grammar = cfg.rollout.grammar
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path or ensure_tiny_model(cfg.model.tiny))
+    tasks = load_tasks(data)[:limit]
+    index_dir = None
+    if grammar.action_tag and cfg.retrieval is not None:
+        from actors.build_index import ensure_index
+        from cluster.environments import default_index_dir
+        r = cfg.retrieval
+        index_dir = Path(r.index_dir) if r.index_dir else default_index_dir(r.kb, r.index.kind, r.shards)
+        ensure_index(r.kb, index_dir, r.encoder, r.index, shards=r.shards, progress=progress)
+    demos, skipped = [], 0
+    if grammar.action_tag and cfg.tools is not None:
+        demos = tool_demonstrations(cfg, tasks, tokenizer, index_dir, out.with_name(out.name + ".images"), progress)
+    elif grammar.action_tag:
+        from actors.retriever import LocalRetriever
+        retriever = LocalRetriever(index_dir, config=cfg.retrieval.search)
+        for start in tqdm(range(0, len(tasks), 64), desc="demonstrations", disable=not progress):
+            chunk = tasks[start:start + 64]
+            for task, hits in zip(chunk, retriever.search([expert_query(t) for t in chunk], grammar.top_k)):
+                demo = retrieval_demonstration(task, grammar, hits, tokenizer)
+                skipped += demo is None
+                demos += [demo] if demo else []
+    else:
+        demos = [{"task": t, "segments": [answer_segment(t, grammar, "Match the findings to an option.")]}
+                 for t in tasks]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(d) + "\n" for d in demos))
+    tmp.rename(out)
+    return {"tasks": len(tasks), "demonstrations": len(demos), "skipped_not_retrieved": skipped, "out": str(out)}
+
+
+def tool_demonstrations(cfg, tasks: list[dict], tokenizer, index_dir: Path | None, image_dir: Path,
+                        progress: bool) -> list[dict]:
+    """Tool episodes on the run's tool actors (a private local Ray unless RAY_ADDRESS names one)."""
+    import ray
+    from tqdm import tqdm
+
+    from actors.gym import MedicalGym, make_tool_environment
+    from cluster.ray_session import start_or_join
+
+    started = not ray.is_initialized()
+    if started:
+        start_or_join(cfg.cluster)
+    retriever = None
+    if index_dir is not None:
+        from actors.retriever import Retriever
+        retriever = Retriever.options(num_cpus=0).remote(str(index_dir), config=cfg.retrieval.search)
+    env = make_tool_environment(cfg.tools, retriever=retriever)
+    try:
+        gym = MedicalGym(env, cfg.rollout.grammar)
+        return [tool_demonstration(t, cfg.rollout.grammar, gym, tokenizer, image_dir)
+                for t in tqdm(tasks, desc="demonstrations", disable=not progress)]
+    finally:
+        for actor in env.actors() + ([retriever] if retriever else []):
+            ray.kill(actor)
+        if started:
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from learners.config import ConfigError, load_config
+
+    parser = argparse.ArgumentParser(prog="python -m tasks.expert", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="run config whose grammar, environment and model to follow")
+    parser.add_argument("--data", required=True, help="tasks: JSONL or <world>:<split> (e.g. hpo:mcq_train)")
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--limit", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(write_demonstrations(cfg, args.data, args.out, args.limit)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

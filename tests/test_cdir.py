@@ -1,0 +1,229 @@
+"""BiomedCLIP (tiny, offline), the CDIR image index, Med-RwR's confidence-driven image re-retrieval and the image half
+of its query-semantic reward."""
+import json
+import math
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from actors.biomedclip import load_biomedclip
+from actors.image_index import (IndexMismatchError, LocalImageRetriever, build_image_index, check_image_manifest,
+                                default_corpus, read_image_manifest)
+from actors.environment import Grammar
+from actors.trajectory import Trajectory
+from learners.cdir import answer_confidence, answer_token_index, cdir_fires, reanswered, token_pieces
+from rewards.query_semantic import QuerySemanticImage, image_query_cosine
+
+PUBMEDBERT = "microsoft/BiomedNLP-BiomedBERT-base-uncased-abstract"
+
+
+@pytest.fixture(scope="module")
+def clip():
+    return load_biomedclip()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The first 8 cases of the imaging world's CDIR corpus, as a corpus file of their own."""
+    src = default_corpus()
+    rows = [json.loads(line) for line in src.read_text().splitlines()[:8]]
+    path = tmp_path_factory.mktemp("corpus") / "cdir_corpus.jsonl"
+    path.write_text("".join(json.dumps({**r, "image": str(src.parent / r["image"])}) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def index(clip, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("index") / "cdir"
+    build_image_index(out, corpus, clip, progress=False)
+    return out
+
+
+def test_tiny_biomedclip_is_built_from_its_seed(clip):
+    """The cached weights are exactly what the seed makes (so every machine builds the same model), the text tower is
+    BERT and the vision tower a timm ViT, as in BiomedCLIP."""
+    import open_clip
+    from safetensors.torch import load_file
+
+    from actors.biomedclip import TINY_SEED, _resolved_model_cfg
+
+    cfg = json.loads((clip.model_dir / "open_clip_config.json").read_text())
+    torch.manual_seed(TINY_SEED)
+    rebuilt = open_clip.CustomTextCLIP(**_resolved_model_cfg(cfg, clip.model_dir)).state_dict()
+    saved = load_file(str(clip.model_dir / "open_clip_model.safetensors"))
+    assert rebuilt.keys() == saved.keys() and all(torch.equal(rebuilt[k], saved[k]) for k in saved)
+    assert clip.model.text.config.model_type == "bert" and type(clip.model.visual.trunk).__name__ == \
+        "VisionTransformer"
+    assert load_biomedclip().identity == clip.identity
+
+
+def test_embeddings_are_unit_rows_and_zero_shot_is_a_distribution(clip):
+    images = [Image.fromarray(np.random.default_rng(i).integers(0, 255, (60, 90, 3), dtype=np.uint8))
+              for i in range(3)]
+    embedded, texts = clip.embed_images(images), clip.embed_texts(["Pulmonary nodule", "Bone cyst"])
+    assert embedded.dtype == np.float32 and embedded.shape == (3, clip.dim) and texts.shape == (2, clip.dim)
+    np.testing.assert_allclose(np.linalg.norm(embedded, axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(np.linalg.norm(texts, axis=1), 1, atol=1e-5)
+    np.testing.assert_allclose(clip.embed_images(images[:1]), embedded[:1], atol=1e-6)  # batching: same row
+    probs = clip.zero_shot(images, ["nodule", "cyst", "fracture"])
+    assert probs.shape == (3, 3) and np.allclose(probs.sum(axis=1), 1) and (probs > 0).all()
+
+
+def test_published_layout_loads_offline_and_a_missing_text_tower_is_named(clip, tmp_path):
+    """BiomedCLIP as published: `.bin` weights, text tower and tokenizer named by hub id. With the BERT config and
+    tokenizer files beside them it loads without a network; without the config it says what is missing."""
+    real = tmp_path / "biomedclip"
+    shutil.copytree(clip.model_dir, real)
+    from safetensors.torch import load_file
+    torch.save(load_file(str(real / "open_clip_model.safetensors")), real / "open_clip_pytorch_model.bin")
+    (real / "open_clip_model.safetensors").unlink()
+    cfg = json.loads((real / "open_clip_config.json").read_text())
+    cfg["model_cfg"]["text_cfg"].update(hf_model_name=PUBMEDBERT, hf_tokenizer_name=PUBMEDBERT)
+    (real / "open_clip_config.json").write_text(json.dumps(cfg))
+    loaded = load_biomedclip(str(real))
+    np.testing.assert_allclose(loaded.embed_texts(["Osteoma"]), clip.embed_texts(["Osteoma"]), atol=1e-6)
+    assert loaded.identity != clip.identity  # other files, other identity
+    (real / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=PUBMEDBERT):
+        load_biomedclip(str(real))
+
+
+def test_every_corpus_image_retrieves_itself_first(clip, corpus, index):
+    retriever = LocalImageRetriever(index, model=clip, corpus=corpus)
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()]
+    hits = retriever.search([r["image"] for r in rows], top_k=3)
+    assert [h[0]["id"] for h in hits] == [r["id"] for r in rows]
+    assert all(h[0]["score"] == pytest.approx(1.0, abs=1e-5) and h[0]["caption"] == r["caption"]
+               for h, r in zip(hits, rows))
+    assert all(len(h) == 3 and h[0]["score"] >= h[1]["score"] >= h[2]["score"] for h in hits)
+
+
+def test_index_refuses_another_encoder_or_corpus(clip, corpus, index, tmp_path):
+    manifest = read_image_manifest(index)
+    with pytest.raises(IndexMismatchError, match="embedded with"):
+        check_image_manifest(manifest, index, "biomedclip:0000000000000000")
+    changed = tmp_path / "cdir_corpus.jsonl"
+    changed.write_text(corpus.read_text().replace("Radiograph", "X-ray", 1))
+    with pytest.raises(IndexMismatchError, match="corpus"):
+        LocalImageRetriever(index, model=clip, corpus=changed)
+
+
+def test_image_retriever_actor_searches(ray_session, corpus, index):
+    from actors.image_index import ImageRetriever
+    actor = ImageRetriever.options(num_cpus=0).remote(str(index))
+    first = json.loads(corpus.read_text().splitlines()[0])
+    try:
+        hit = ray_session.get(actor.search.remote([first["image"]], 1))[0][0]
+    finally:
+        ray_session.kill(actor)
+    assert hit["id"] == first["id"] and hit["image_path"] == first["image"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def test_confidence_is_the_option_token_after_answer_and_fires_strictly_below(tokenizer):
+    ids = tokenizer.encode("<think>tall</think><answer>\nB</answer>", add_special_tokens=False)
+    pieces = token_pieces(tokenizer, ids)
+    at = answer_token_index(pieces)
+    assert pieces[at].strip() == "B" and pieces[at - 1].strip() == ""  # the newline after <answer> is skipped
+    for logprob, fires in [(math.log(0.8), False), (-0.2231435513142097, False), (-0.22314355131421, True),
+                           (math.log(0.95), False), (-3.0, True), (0.0, False)]:
+        logprobs = [-9.0] * len(ids)
+        logprobs[at] = logprob
+        eta = answer_confidence(pieces, logprobs, [1] * len(ids))
+        assert eta == math.exp(logprob) and cdir_fires(eta, 0.8) is fires
+    assert answer_confidence(pieces, [-3.0] * len(ids), [1] * at + [0] * (len(ids) - at)) is None  # not the policy's
+    no_answer = token_pieces(tokenizer, tokenizer.encode("<answer>B", add_special_tokens=False))
+    assert answer_confidence(no_answer, [-3.0] * len(no_answer), [1] * len(no_answer)) is None
+    assert not cdir_fires(None, 0.8)
+
+
+def test_reanswer_drops_the_answer_turn_and_shows_the_case(tokenizer):
+    grammar = Grammar(action_tag="query")
+    first = tokenizer.encode("<query>nodule</query>", add_special_tokens=False)
+    observation = tokenizer.encode(grammar.wrap_observation("[1] Pulmonary nodule: a round opacity"),
+                                   add_special_tokens=False)
+    answer = tokenizer.encode("<answer>A</answer>", add_special_tokens=False)
+    traj = Trajectory(task={"id": "t"}, group=0, prompt_ids=[1, 2], response_ids=first + observation + answer,
+                      logprobs=[-1.0] * len(first) + [0.0] * len(observation) + [-2.0] * len(answer),
+                      loss_mask=[1] * len(first) + [0] * len(observation) + [1] * len(answer), text="",
+                      finish_reason="stop", weight_version=0)
+    case = tokenizer.encode(grammar.wrap_observation("Similar case: a calcified pulmonary nodule"),
+                            add_special_tokens=False)
+    new = tokenizer.encode("<answer>C</answer>", add_special_tokens=False)
+    out = reanswered(traj, case, {"ids": new, "logprobs": [-0.1] * len(new), "finish_reason": "stop"},
+                     {"cdir": {"case_id": "cdir-000001"}}, tokenizer)
+    assert out.text.endswith("<retrieve>\nSimilar case: a calcified pulmonary nodule\n</retrieve>\n<answer>C</answer>")
+    assert "<answer>A</answer>" not in out.text and out.text.startswith("<query>nodule</query>")
+    assert out.loss_mask == traj.loss_mask[:len(first) + len(observation)] + [0] * len(case) + [1] * len(new)
+    assert len(out.logprobs) == len(out.response_ids) and out.turns[-1]["cdir"]["case_id"] == "cdir-000001"
+
+
+def test_image_query_cosine_by_hand():
+    # (3, 4) . (4, 3) = 24; |(3, 4)| |(4, 3)| = 25
+    assert image_query_cosine([3, 4], [4, 3]) == pytest.approx(0.96)
+    # (1, 2, 2) . (2, 0, -1) = 0: orthogonal; (2, 0, 0) vs (-1, 0, 0): opposite; a zero vector scores 0
+    assert image_query_cosine([1, 2, 2], [2, 0, -1]) == 0.0
+    assert image_query_cosine([2, 0, 0], [-1, 0, 0]) == -1.0
+    assert image_query_cosine([0, 0], [1, 0]) == 0.0
+
+
+def test_query_semantic_image_reward(clip, corpus):
+    row = json.loads(corpus.read_text().splitlines()[0])
+    reward = QuerySemanticImage()
+
+    def traj(queries, images):
+        return Trajectory(task={"images": images}, group=0, prompt_ids=[], response_ids=[], logprobs=[], loss_mask=[],
+                          text="", finish_reason="stop", weight_version=0, turns=[{"query": q} for q in queries])
+
+    scores = reward([traj(["long-bone fracture", "cortex"], [row["image"]]), traj([], [row["image"]]),
+                     traj(["fracture"], [])])["query_semantic_image"]
+    image = clip.embed_images([Image.open(row["image"])])[0]
+    text = clip.embed_texts(["long-bone fracture\ncortex"])[0]
+    assert scores[0] == pytest.approx(float(image @ text), abs=1e-6) and scores[1:] == [0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_cdir_end_to_end_on_rollout_workers(ray_session, tiny_model_path, tokenizer, corpus, index):
+    """Real engine numbers: teacher-forced answers get their confidence from the engine's prompt log-probs; CDIR fires
+    for those below the threshold only, retrieves the task image's own case (it is in the corpus) through the
+    ImageRetriever actor, and the worker answers again after its caption."""
+    from actors.image_index import ImageRetriever
+    from actors.rollout_worker import RolloutWorker
+    from learners.cdir import apply_cdir
+
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()[:3]]
+    worker = RolloutWorker.options(num_cpus=0).remote(str(tiny_model_path), seed=0, threads=1, max_model_len=512,
+                                                      kv_cache_gb=0.25)
+    retriever = ImageRetriever.options(num_cpus=0).remote(str(index))
+    try:
+        prompt = ray_session.get(worker.chat_prompt_ids.remote([{"role": "user", "content": "Which option?"}]))
+        trajectories = []
+        for i, row in enumerate(rows):
+            response = tokenizer.encode(f"<answer>{'ABC'[i]}</answer>", add_special_tokens=False)
+            logprobs = ray_session.get(worker.prompt_logprobs.remote([prompt + response]))[0][-len(response):]
+            trajectories.append(Trajectory(
+                task={"id": row["id"], "images": [row["image"]], "answer": "A", "options": dict.fromkeys("ABCD", "x")},
+                group=i, prompt_ids=prompt, response_ids=response, logprobs=logprobs, loss_mask=[1] * len(response),
+                text=tokenizer.decode(response), finish_reason="stop", weight_version=0))
+        etas = [math.exp(t.logprobs[1]) for t in trajectories]  # the option token follows the <answer> token
+        threshold = sorted(etas)[1]  # strictly below: exactly the least confident one fires
+        final, summary = apply_cdir(trajectories, [worker], retriever, tokenizer, Grammar(), {
+            "temperature": 0.0, "max_tokens": 8}, seed=0, threshold=threshold)
+    finally:
+        ray_session.kill(worker)
+        ray_session.kill(retriever)
+    fired = [e["fired"] for e in summary["episodes"]]
+    assert fired == [eta < threshold for eta in etas] and sum(fired) == 1 and summary["fired"] == 1
+    assert [e["confidence_before"] for e in summary["episodes"]] == pytest.approx(etas)
+    i = fired.index(True)
+    assert final[i].turns[-1]["cdir"]["case_id"] == rows[i]["id"]  # the task's own image is in the corpus
+    assert rows[i]["caption"] in final[i].text
+    assert all(final[j] is trajectories[j] for j in range(3) if j != i)

@@ -1,0 +1,42 @@
+"""Med-RwR's confidence gain: which sequences are probed, and the reward from their log-probabilities."""
+import math
+
+import pytest
+
+from actors.trajectory import Trajectory
+from rewards.confidence import answer_probe_sequences, confidence_gain
+from rewards.registry import needs_answer_logprobs
+
+ANSWER, GOLD = 7, 42
+
+
+def test_probes_keep_or_drop_exactly_the_environment_tokens():
+    prompt = [1, 2]
+    response = [10, 11, 90, 91, 92, 12, ANSWER, 30]   # policy 10 11, retrieved 90-92, policy 12 <answer> A
+    mask = [1, 1, 0, 0, 0, 1, 1, 1]
+    with_k, without_k = answer_probe_sequences(prompt, response, mask, ANSWER, GOLD)
+    assert with_k == [1, 2, 10, 11, 90, 91, 92, 12, ANSWER, GOLD]
+    assert without_k == [1, 2, 10, 11, 12, ANSWER, GOLD]
+
+
+def test_no_probe_without_retrieval_or_without_an_answer():
+    assert answer_probe_sequences([1], [10, ANSWER, 30], [1, 1, 1], ANSWER, GOLD) is None  # nothing retrieved
+    assert answer_probe_sequences([1], [10, 90, 11], [1, 0, 1], ANSWER, GOLD) is None       # never answered
+    # an <answer> token inside retrieved text is not the policy's
+    assert answer_probe_sequences([1], [10, ANSWER, 11], [1, 0, 1], ANSWER, GOLD) is None
+
+
+def traj(answer_logprobs):
+    return Trajectory(task={}, group=0, prompt_ids=[], response_ids=[], logprobs=[], loss_mask=[], text="",
+                      finish_reason="stop", weight_version=0, answer_logprobs=answer_logprobs)
+
+
+def test_confidence_gain_is_the_log_ratio():
+    # p(gold) rose from 0.25 without the retrieved text to 0.5 with it: sigma_c = ln 2
+    scores = confidence_gain([traj({"with": math.log(0.5), "without": math.log(0.25)}), traj(None)])
+    assert scores["confidence_gain"] == pytest.approx([math.log(2), 0.0])
+
+
+def test_only_runs_that_use_it_pay_for_the_probes():
+    assert needs_answer_logprobs(["accuracy", "confidence_gain"])
+    assert not needs_answer_logprobs(["accuracy", "tag_format"])

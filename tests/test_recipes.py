@@ -1,0 +1,44 @@
+"""Every recipe config validates, and its dry run resolves stages and placement without starting anything."""
+from pathlib import Path
+
+import pytest
+
+from learners.config import load_config
+from learners.dry_run import device_plan, dry_run, learner_bytes
+
+RUN_CONFIGS = sorted(p for p in Path("configs").glob("*.yaml") if not p.name.startswith("serve"))
+
+
+def test_the_five_recipes_and_their_cluster_variants_exist():
+    names = {p.stem for p in RUN_CONFIGS}
+    for recipe in ("med_rwr", "med_r3", "armed", "medvr", "medvistagym"):
+        assert {recipe, f"{recipe}_cluster"} <= names, recipe
+
+
+@pytest.mark.parametrize("path", RUN_CONFIGS, ids=lambda p: p.stem)
+def test_recipe_config_validates_and_its_plan_resolves(path):
+    cfg = load_config(path)
+    plan = dry_run(cfg, gpus_per_node=8, gpu_memory_gb=80)
+    assert [s["name"] for s in plan["stages"]] == [s.name for s in cfg.stage_plan()]
+    assert plan["parameters"] > 0
+    if path.stem.endswith("_cluster"):  # the paper's scale: GPUs for learners and rollouts, fitting in memory
+        roles = {row["role"] for row in plan["placement"] if row["gpus"]}
+        assert {"learner", "rollout"} <= roles and plan["gpus"] <= 8 * plan["nodes"]
+        assert not plan["warnings"], plan["warnings"]
+        assert cfg.learner.lr == 1e-6
+
+
+def test_memory_estimate_follows_zero_accounting():
+    # bf16: 2 bytes weights (whole under ZeRO-2) + (2 grads + 12 fp32 Adam) / 4 ranks = 5.5 bytes per parameter
+    assert learner_bytes(10**9, "bfloat16", 2, 4, reference=False) == pytest.approx(5.5e9)
+    # ZeRO-3 partitions the weights too: (2 + 2 + 12) / 4 = 4; a frozen bf16 reference adds 2
+    assert learner_bytes(10**9, "bfloat16", 3, 4, reference=True) == pytest.approx(6.0e9)
+
+
+def test_placement_packs_whole_gpus_and_shares_fractions():
+    cfg = load_config("configs/med_rwr_cluster.yaml")
+    plan = {row["actor"]: row for row in device_plan(cfg, ("learner", "rollout", "reward"), gpus_per_node=8)}
+    assert [plan[f"learner-{i}"]["gpus"] for i in range(4)] == [[0], [1], [2], [3]]
+    assert plan["reward-0"]["gpus"] == plan["reward-1"]["gpus"] == [7]   # two 0.5-GPU actors on one device
+    small = device_plan(cfg, ("learner", "rollout", "reward"), gpus_per_node=4)
+    assert {row["node"] for row in small if row["role"] == "rollout"} == {1}   # the learners fill node 0
