@@ -38,7 +38,8 @@ class EVRConfig(BaseModel):
     gamma: float = Field(0.5, ge=0)
     base_tokens: int = Field(16, ge=1, description="H_base: mean entropy over the response's first tokens")
     window: int = Field(4, ge=1, description="H_tool: rolling mean over the last tool-argument tokens")
-    top_logprobs: int = Field(20, ge=1, description="log-probabilities per position the entropy is computed from")
+    top_logprobs: int = Field(20, ge=1, le=20, description="log-probabilities per position the entropy is computed "
+                                                        "from (vLLM returns at most 20 by default)")
 
 
 def topk_entropy(logprobs: list[float], vocab_size: int) -> float:
@@ -57,9 +58,11 @@ def branch_probability(h_tool: float, h_base: float, p_base: float, gamma: float
     return min(1.0, max(0.0, p_base + gamma * (h_tool - h_base)))
 
 
-def argument_spans(response_ids: list[int], loss_mask: list[int], open_id: int, close_id: int) -> list[range]:
-    """Token positions strictly inside each action block the policy wrote (between its <tool_call> and
-    </tool_call> tokens): the tool's arguments, where a fork may happen."""
+def argument_spans(response_ids: list[int], loss_mask: list[int], open_id: int, close_id: int,
+                   decode=None, key: str = '"arguments"') -> list[range]:
+    """Token positions inside each action block the policy wrote (between its <tool_call> and </tool_call>
+    tokens), where a fork may happen. With `decode` (token ids -> text), a block that names `key` starts after the
+    token that completes it, so forks resample the arguments (the zoom box's coordinates), not the tool's name."""
     spans, start = [], None
     for i, (token, by_policy) in enumerate(zip(response_ids, loss_mask)):
         if not by_policy:
@@ -67,6 +70,8 @@ def argument_spans(response_ids: list[int], loss_mask: list[int], open_id: int, 
         if token == open_id:
             start = i + 1
         elif token == close_id and start is not None:
+            if decode is not None:
+                start = next((j + 1 for j in range(start, i) if key in decode(response_ids[start:j + 1])), start)
             if i > start:
                 spans.append(range(start, i))
             start = None

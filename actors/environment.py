@@ -21,6 +21,7 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.branching import topk_entropy
 from actors.trajectory import Trajectory
 
 
@@ -68,11 +69,25 @@ class Episode:
     finish_reason: str = ""
     images: list[np.ndarray] = field(default_factory=list)   # RGB uint8 arrays of every image in the ids, in order
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # their (t, h, w) patch grids
+    entropies: list[float] = field(default_factory=list)     # per response token (0 on the environment's), for EVR
+    branch: dict | None = None                                # EVR: {"of": base rollout, "at": token} for a fork
 
-    def extend(self, ids: list[int], logprobs: list[float], by_policy: bool) -> None:
+    def extend(self, ids: list[int], logprobs: list[float], by_policy: bool,
+               entropies: list[float] | None = None) -> None:
         self.response_ids += ids
         self.logprobs += logprobs if by_policy else [0.0] * len(ids)
         self.loss_mask += [int(by_policy)] * len(ids)
+        self.entropies += entropies if entropies is not None else [0.0] * len(ids)
+
+    def fork(self, position: int, seed: int, images: int) -> Episode:
+        """A copy of this episode's first `position` response tokens, with the turns and the first `images` images
+        that lie before them, that samples on from there with `seed`: an EVR branch."""
+        mask = self.loss_mask[:position]
+        turns = sum(1 for i in range(1, len(mask)) if mask[i - 1] == 0 and mask[i] == 1)  # observations passed
+        return Episode(task=self.task, group=self.group, seed=seed, prompt_ids=self.prompt_ids,
+                       response_ids=self.response_ids[:position], logprobs=self.logprobs[:position], loss_mask=mask,
+                       turns=[dict(t) for t in self.turns[:turns]], images=self.images[:images],
+                       image_grids=self.image_grids[:images], entropies=self.entropies[:position])
 
 
 def derive_seed(*parts: int) -> int:
@@ -223,6 +238,7 @@ class EpisodeRunner:
             raise ValueError(f"grammar action tag <{grammar.action_tag}> needs an environment (retriever or tools)")
         self.engine, self.tokenizer, self.grammar, self.environment = engine, tokenizer, grammar, environment
         self.vision = vision
+        self.top_logprobs = 0  # > 0: record each policy token's entropy from this many log-probabilities (EVR)
         self._next_id = 0
 
     def run(self, episodes: list[Episode], sampling: dict) -> dict:
@@ -230,6 +246,7 @@ class EpisodeRunner:
         from vllm import SamplingParams
 
         g, env = self.grammar, self.environment
+        vocab = len(self.tokenizer)
         live: dict[str, Episode] = {}
         waiting: dict[ray.ObjectRef, tuple[list[tuple[Episode, str, int | None]], float]] = {}
         stats = {"env_calls": 0, "env_errors": 0, "idle_s": 0.0}
@@ -242,7 +259,7 @@ class EpisodeRunner:
             params = SamplingParams(**{**sampling, "max_tokens": min(sampling["max_tokens"], budget),
                                        "stop": sorted(set(sampling.get("stop") or []) | set(g.stops())),
                                        "stop_token_ids": stop_ids},
-                                    seed=turn_seed(ep.seed, len(ep.turns)), logprobs=0,
+                                    seed=turn_seed(ep.seed, len(ep.turns)), logprobs=self.top_logprobs,
                                     include_stop_str_in_output=True, skip_special_tokens=False)
             request_id = f"ep{self._next_id}"
             self._next_id += 1
@@ -257,11 +274,13 @@ class EpisodeRunner:
             seq = out.outputs[0]
             ids = list(seq.token_ids)
             logprobs = [lp[t].logprob for lp, t in zip(seq.logprobs, ids)]
+            entropies = [topk_entropy([x.logprob for x in lp.values() if x.rank <= self.top_logprobs], vocab)
+                         for lp in seq.logprobs] if self.top_logprobs else None
             if self.vision and ids and ids[-1] in self.vision.special_ids:  # dropped: it would be a fake image
-                ep.extend(ids[:-1], logprobs[:-1], by_policy=True)
+                ep.extend(ids[:-1], logprobs[:-1], by_policy=True, entropies=entropies and entropies[:-1])
                 ep.finish_reason = "vision_token"
                 return None
-            ep.extend(ids, logprobs, by_policy=True)
+            ep.extend(ids, logprobs, by_policy=True, entropies=entropies)
             asked = g.action_tag is not None and seq.finish_reason == "stop" and seq.stop_reason == g.action_close
             if not asked:
                 ep.finish_reason = seq.finish_reason or "length"
@@ -353,4 +372,4 @@ def to_trajectory(ep: Episode, tokenizer, version: int) -> Trajectory:
                       logprobs=ep.logprobs, loss_mask=ep.loss_mask,
                       text=tokenizer.decode(ep.response_ids, skip_special_tokens=False),
                       finish_reason=ep.finish_reason, weight_version=version, turns=ep.turns,
-                      images=ep.images, image_grids=ep.image_grids)
+                      images=ep.images, image_grids=ep.image_grids, branch=ep.branch)

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 
 import ray
 
+from actors.branching import EVRConfig, argument_spans, plan_forks
 from actors.environment import (Environment, Episode, EpisodeRunner, Grammar, ImageTokens, derive_seed, rgb_array,
                                 to_trajectory)
 from actors.trajectory import Trajectory
@@ -99,20 +101,30 @@ class RolloutWorker:
         return results
 
     def rollout(self, tasks: list[dict], groups: list[int], group_size: int, sampling: dict,
-                seed: int, grammar: dict | None = None,
-                answer_logprobs: bool = False) -> tuple[list[Trajectory], dict]:
+                seed: int, grammar: dict | None = None, answer_logprobs: bool = False,
+                evr: dict | None = None) -> tuple[list[Trajectory], dict]:
         """`group_size` episodes of each task, single- or multi-turn as the grammar says (`grammar`: this stage's,
         when it differs from the one the worker started with). Sample j of group g uses seed hash(seed, g, j), so a
         step's samples are reproducible whatever the worker count. `answer_logprobs`: also read the gold answer's
-        log-probability after `<answer>` with and without the retrieved text (Med-RwR's confidence gain)."""
+        log-probability after `<answer>` with and without the retrieved text (Med-RwR's confidence gain). `evr`:
+        MedVR's entropy-guided branching (actors/branching.py) spends half of each group."""
         if grammar is not None and Grammar.model_validate(grammar) != self.runner.grammar:
             self.runner.grammar = Grammar.model_validate(grammar)
-        episodes = []
-        for task, g in zip(tasks, groups):
-            ids, images, grids = task_prompt(task, self.tokenizer, self.vision)
-            episodes += [Episode(task=task, group=g, seed=derive_seed(seed, g, j), prompt_ids=ids,
-                                 images=list(images), image_grids=list(grids)) for j in range(group_size)]
-        stats = self.runner.run(episodes, sampling)
+        evr = EVRConfig.model_validate(evr or {})
+        prompts = [task_prompt(task, self.tokenizer, self.vision) for task in tasks]
+
+        def episode(i: int, j: int) -> Episode:
+            ids, images, grids = prompts[i]
+            return Episode(task=tasks[i], group=groups[i], seed=derive_seed(seed, groups[i], j), prompt_ids=ids,
+                           images=list(images), image_grids=list(grids))
+
+        base = group_size - group_size // 2 if evr.enabled else group_size
+        by_group = [[episode(i, j) for j in range(base)] for i in range(len(tasks))]
+        self.runner.top_logprobs = evr.top_logprobs if evr.enabled else 0
+        stats = self.runner.run([ep for group in by_group for ep in group], sampling)
+        if evr.enabled:
+            stats = self._branch(by_group, group_size - base, evr, sampling, seed, episode, stats)
+        episodes = [ep for group in by_group for ep in group]
         trajectories = [to_trajectory(ep, self.tokenizer, self.version) for ep in episodes]
         if answer_logprobs:
             self._add_answer_logprobs(trajectories)
@@ -120,6 +132,35 @@ class RolloutWorker:
                    "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
                    "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version}
         return trajectories, summary
+
+    def _branch(self, by_group: list[list[Episode]], budget: int, evr: EVRConfig, sampling: dict, seed: int,
+                episode, stats: dict) -> dict:
+        """EVR's second phase: per group, forks planned from the base rollouts' tool-argument entropies, then
+        independent samples for the budget left; both run together. Groups are extended in place (base rollouts
+        first, then forks, then the independent ones)."""
+        g = self.runner.grammar
+        open_id, close_id = (self.tokenizer.convert_tokens_to_ids(t) for t in (f"<{g.action_tag}>", g.action_close))
+        extra, forks = [], 0
+        for i, group in enumerate(by_group):
+            rng = random.Random(derive_seed(seed, group[0].group, "evr"))
+            spans = [argument_spans(ep.response_ids, ep.loss_mask, open_id, close_id, self.tokenizer.decode)
+                     for ep in group]
+            planned = plan_forks([ep.entropies for ep in group], spans, budget, evr, rng)
+            prompt_images = len(group[0].images) - (group[0].response_ids.count(self.vision.start_id)
+                                                     if self.vision else 0)
+            for k, fork in enumerate(planned):
+                origin = group[fork.episode]
+                shown = prompt_images + (origin.response_ids[:fork.position].count(self.vision.start_id)
+                                         if self.vision else 0)
+                branch = origin.fork(fork.position, derive_seed(seed, group[0].group, "fork", k), shown)
+                branch.branch = {"of": fork.episode, "at": fork.position, "p": round(fork.probability, 4)}
+                group.append(branch)
+            group += [episode(i, len(group) + k) for k in range(budget - len(planned))]
+            extra += group[len(group) - budget:]
+            forks += len(planned)
+        second = self.runner.run(extra, sampling)
+        return {**{k: stats[k] + second[k] for k in ("env_calls", "env_errors", "idle_s", "seconds")},
+                "branch_events": forks, "branch_budget": budget * len(by_group)}
 
     def _add_answer_logprobs(self, trajectories: list[Trajectory]) -> None:
         """Fill `answer_logprobs` of every trajectory that retrieved and answered (see rewards/confidence.py)."""
@@ -167,5 +208,7 @@ class RolloutWorker:
         start = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
         self.llm.reset_prefix_cache()
+        if self.vision is not None:  # image embeddings computed with the old weights go too (vLLM's advice); without
+            self.llm.llm_engine.reset_encoder_cache()  # this the next image request failed: "Encoder cache miss"
         self.version = version
         return time.perf_counter() - start

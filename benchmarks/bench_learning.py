@@ -30,6 +30,8 @@ from benchmarks.common import report  # noqa: E402
 PYTHON = sys.executable
 RUNS = ROOT / "outputs" / "bench_learning"
 SINGLE_TURN = ["rollout.grammar.action_tag=null", "retrieval=null"]
+# A query lists a case's phenotypes (~40-60 tokens): room for it in one generation turn, for training and evaluation.
+LENGTHS = ["rollout.max_new_tokens=96", "rollout.grammar.max_response_tokens=320"]
 FORMAT_ACCURACY = "rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: accuracy, weight: 2.0}]"
 RWR = ("rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: accuracy, weight: 2.0}, "
        "{name: query_semantic_text, weight: 0.4}, {name: confidence_gain, weight: 1.0}]")
@@ -51,7 +53,8 @@ def train(name: str, overrides: list[str]) -> tuple[Path, float, list[dict]]:
     start = time.perf_counter()
     if not (out / "checkpoints" / "latest").exists():
         subprocess.run([PYTHON, "learners/run.py", "--config", "configs/quickstart.yaml", f"output_dir={out}",
-                        "logging.progress_bar=false", "checkpoint.every=1000", *overrides], cwd=ROOT, check=True)
+                        "logging.progress_bar=false", "checkpoint.every=1000", *LENGTHS, *overrides], cwd=ROOT,
+                       check=True)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out / "checkpoints" / "latest", time.perf_counter() - start, metrics
 
@@ -61,7 +64,7 @@ def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
     if not (out / "eval.json").exists():
         subprocess.run([PYTHON, "-m", "learners.evaluate", "--config", "configs/quickstart.yaml", "--checkpoint",
                         str(checkpoint), "--data", "hpo:mcq_test", "--limit", str(limit), "--out", str(out),
-                        *overrides], cwd=ROOT, check=True)
+                        *LENGTHS, *overrides], cwd=ROOT, check=True)
     return json.loads((out / "eval.json").read_text())
 
 

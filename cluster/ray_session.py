@@ -56,3 +56,22 @@ def start_or_join(cfg: ClusterConfig, runtime_env: dict | None = None) -> dict:
     resources = ray.cluster_resources()
     log.info("ray: %s", {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")})
     return resources
+
+
+#: What a lost actor raises through its result refs (killed, out of memory, node gone).
+ACTOR_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
+
+
+def wait_until_ready(actor, timeout_s: float = 300.0) -> None:
+    """Block until `actor` (one Ray is restarting) answers `ready()` again; raise after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=30)
+            return
+        except ACTOR_LOST + (ray.exceptions.GetTimeoutError,):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)

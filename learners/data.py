@@ -114,17 +114,33 @@ def _demonstration_problem(row) -> str | None:
     return None
 
 
-def demonstration_trajectory(demo: dict, tokenizer, group: int):
-    """A demonstration as a Trajectory the learner trains on: the chat prompt, then each segment tokenised on its
-    own (as the rollout engine appends the environment's observations), loss mask 1 on policy segments only."""
+def demonstration_trajectory(demo: dict, tokenizer, group: int, vision=None):
+    """A demonstration as a Trajectory the learner trains on: the chat prompt (with the task's images for a
+    multimodal policy, `vision` an `actors.environment.ImageTokens`), then each segment tokenised on its own (as the
+    rollout engine appends the environment's observations; a segment's `images` fill its image placeholders), loss
+    mask 1 on policy segments only."""
+    from PIL import Image
+
+    from actors.environment import rgb_array
+    from actors.rollout_worker import task_prompt
     from actors.trajectory import Trajectory
-    prompt = tokenizer.apply_chat_template(demo["task"]["messages"], add_generation_prompt=True, tokenize=True,
-                                           return_dict=False)
+    task = demo["task"]
+    if vision is None:
+        task = {**task, "images": []}  # a text-only policy reads the question alone, as in its rollouts
+    prompt, images, grids = task_prompt(task, tokenizer, vision)
     ids, mask = [], []
     for seg in demo["segments"]:
         tokens = tokenizer.encode(seg["text"], add_special_tokens=False)
+        if seg.get("images") and vision is not None:
+            shown = []
+            for path in seg["images"]:
+                with Image.open(path) as image:
+                    shown.append(rgb_array(image))
+            seg_grids = [vision.grid(im) for im in shown]
+            tokens = vision.expand(tokens, seg_grids)
+            images, grids = images + shown, grids + seg_grids
         ids += tokens
         mask += [int(seg["role"] == "policy")] * len(tokens)
     return Trajectory(task=demo["task"], group=group, prompt_ids=list(prompt), response_ids=ids,
                       logprobs=[0.0] * len(ids), loss_mask=mask, text="".join(s["text"] for s in demo["segments"]),
-                      finish_reason="demonstration", weight_version=-1)
+                      finish_reason="demonstration", weight_version=-1, images=images, image_grids=grids)

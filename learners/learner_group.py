@@ -12,6 +12,7 @@ import torch
 from actors.environment import ImageTokens
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, init_deepspeed_distributed, pin_threads
+from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import algorithm as algo
 
 
@@ -328,7 +329,15 @@ class LearnerGroup:
         helpers = [r.help_gather.remote() for r in self.ranks[1:]]
         if self.transport == "object_store":
             manifest, send_s = ray.get(self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb))
-            load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
+            for attempt in range(3):  # a worker Ray restarts mid-sync reads the same buckets once it is back
+                try:
+                    load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
+                    break
+                except ACTOR_LOST:
+                    if attempt == 2:
+                        raise
+                    for w in self.workers:
+                        wait_until_ready(w)
             del manifest  # the objects are freed as soon as no one holds the manifest
         else:
             send = self.ranks[0].broadcast_weights.remote()

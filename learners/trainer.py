@@ -17,11 +17,11 @@ import ray
 import torch
 import yaml
 
-from actors.environment import derive_seed
+from actors.environment import ImageTokens, derive_seed
 from actors.rollout_worker import RolloutWorker
 from cluster.environments import service_roles, start_environment, start_judge
 from cluster.placement import ROLES, Placement, place
-from cluster.ray_session import start_or_join
+from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners import checkpoint as ckpt
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
@@ -46,10 +46,6 @@ class StepRollouts:
     calls: list[tuple]
 
 
-#: What a lost actor raises through its result refs (killed, out of memory, node gone).
-ACTOR_LOST = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-
 class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
@@ -62,8 +58,6 @@ class Trainer:
         if not cfg.resume and ((self.out / "metrics.jsonl").exists() or self.ckpt_root.exists()):
             raise FileExistsError(f"output_dir {self.out} already holds a run; pass resume=true to continue it, or "
                                   f"choose another output_dir (nothing there was changed)")
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
         start_or_join(cfg.cluster)
         self.step, resume_from = 0, None
         if cfg.resume:
@@ -78,6 +72,9 @@ class Trainer:
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
         self.placement: Placement = place(cfg.cluster, ROLES + service_roles(cfg))
+        # written once the run is known to fit, so a refused resume leaves the previous run's config as it was
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
         self.environment = start_environment(cfg, self.placement)
         self.judge = start_judge(cfg, self.placement)
         self.workers = self._start_rollout_workers(policy_path)
@@ -117,7 +114,8 @@ class Trainer:
         if self.stage.kind == "sft":
             sft = self.stage.sft
             demos = self.self_demonstrations(cfg) if sft.data == "self" else read_demonstrations(sft.data)
-            self.demonstrations = [demonstration_trajectory(d, self.tokenizer, i) for i, d in enumerate(demos)]
+            vision = ImageTokens.for_model(self.base_model)
+            self.demonstrations = [demonstration_trajectory(d, self.tokenizer, i, vision) for i, d in enumerate(demos)]
             self.sampler = PromptSampler(len(demos), sft.batch_size, cfg.seed, sft.shuffle)
             return
         if previous is None or previous.data != cfg.data or not hasattr(self, "tasks"):
@@ -203,7 +201,7 @@ class Trainer:
         step_seed = derive_seed(self.cfg.seed, step)
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
         calls = [([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed,
-                  r.grammar.model_dump(), self.answer_logprobs) for groups in chunks]
+                  r.grammar.model_dump(), self.answer_logprobs, r.evr.model_dump()) for groups in chunks]
         refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(self.workers, calls)]
         return StepRollouts(step, self.version, [t for t, _ in refs], [s for _, s in refs], calls)
 
@@ -231,22 +229,11 @@ class Trainer:
                 log.warning("RolloutWorker-%d %s in step %d; generating its share again", i, problem,
                             rollouts.step + 1)
                 self.restarts["rollout"] += 1
-                self._wait_restarted(worker)
+                wait_until_ready(worker)
                 self.learners.sync(self.version)
                 rollouts.trajectories[i], rollouts.summaries[i] = \
                     worker.rollout.options(num_returns=2).remote(*rollouts.calls[i])
         return summaries
-
-    def _wait_restarted(self, actor, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                ray.get(actor.ready.remote(), timeout=30)
-                return
-            except ACTOR_LOST + (ray.exceptions.GetTimeoutError,):
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(1.0)
 
     def score(self, rollouts: StepRollouts) -> list[dict]:
         """Each worker's trajectories go straight from its object to a reward actor. A reward actor that dies is
@@ -264,10 +251,10 @@ class Trainer:
     def check_fidelity(self, rollouts: StepRollouts, n: int = 4) -> float:
         """Max |engine logprob - learner logprob| over a few of the step's sequences, under the synced weights."""
         sample = ray.get(rollouts.trajectories[0])[:n]
-        seqs = [t.prompt_ids + t.response_ids for t in sample]
-        learner = self.learners.sequence_logprobs(seqs)
+        seqs, images = [t.prompt_ids + t.response_ids for t in sample], [t.images for t in sample]
+        learner = self.learners.sequence_logprobs(seqs, images)
         diffs = [np.max(np.abs(np.array(e) - np.array(l))) for w in self.workers
-                 for e, l in zip(ray.get(w.prompt_logprobs.remote(seqs)), learner)]
+                 for e, l in zip(ray.get(w.prompt_logprobs.remote(seqs, images)), learner)]
         return float(max(diffs))
 
     # ---- the loop --------------------------------------------------------------------------------------------
@@ -406,7 +393,10 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
         "response_length": float(np.mean(lengths)),
         "truncated_fraction": float(np.mean([r == "length" for s in summaries for r in s["finish_reasons"]])),
         "env_calls": sum(s["env_calls"] for s in summaries), "env_errors": sum(s["env_errors"] for s in summaries),
+        "env_calls_per_episode": sum(s["env_calls"] for s in summaries) / max(len(lengths), 1),
         "env_idle_fraction": sum(s["idle_s"] for s in summaries) / max(sum(s["seconds"] for s in summaries), 1e-9),
+        **({"branch_events": sum(s["branch_events"] for s in summaries),
+            "branch_budget": sum(s["branch_budget"] for s in summaries)} if "branch_events" in summaries[0] else {}),
         "kl": train["kl_sum"] / mask_sum, "entropy": train["entropy_sum"] / mask_sum,
         "clip_fraction": train["clip_sum"] / mask_sum, "grad_norm": train["grad_norm"], "lr": train["lr"],
         "loss": train["loss"],

@@ -8,7 +8,8 @@ CDIR (Med-RwR's test-time image re-retrieval, `learners/cdir.py`): when the requ
 given, the answer's confidence (the probability of the option token after `<answer>`, from the engine's log-prob of
 the sampled token: vLLM's default `raw_logprobs`, the model's own distribution whatever the temperature) below the
 threshold drops the answer turn, shows the most similar image-caption case as an observation, and answers again.
-The trace carries the confidence and whether CDIR fired.
+The trace carries the confidence and, whenever CDIR was asked for, its record: `{"fired", "threshold"}`, plus the case
+(`case_id`, `caption`, `score`) and `confidence_after` when it fired (or `error` when the image search failed).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ class AgentResult:
     completion_tokens: int                          # tokens the model wrote
     turns: list[dict] = field(default_factory=list)  # per retrieval: query, chunk ids, error
     confidence: float | None = None                 # of the first answer (CDIR's eta), None without one
-    cdir: dict | None = None                        # fired, the case, the confidence after; None: CDIR not asked
+    cdir: dict | None = None                        # fired, threshold, the case, confidence after; None: not asked
 
     def trace(self) -> dict:
         return {"finish": self.finish, "turns": self.turns, "transcript": self.transcript,
@@ -60,7 +61,19 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
     """Drive one episode. `prefix` is text already in the prompt that belongs to the model's first turn (a continued
     assistant message), so a query it opened is closed by the first generation. `max_tokens` bounds the model's
     tokens; the grammar's `max_response_tokens` bounds model and retriever tokens together. `cdir`: re-retrieve by
-    image when the answer's confidence is below its threshold."""
+    image when the answer's confidence is below its threshold (an episode that ends without an answer has no
+    confidence, and CDIR does not fire)."""
+    result = await _episode(generate, search, tokenizer, grammar, prompt_ids, prefix, max_tokens, max_model_len,
+                            stop, seed, timeout_s, cdir)
+    if cdir is not None and result.cdir is None:
+        result = dataclasses.replace(result, cdir={"fired": False, "threshold": cdir.threshold})
+    return result
+
+
+async def _episode(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int],
+                   prefix: str, max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
+                   timeout_s: float, cdir: Cdir | None) -> AgentResult:
+    """The loop of :func:`run_agent`; its result has a CDIR record only when the episode answered."""
     ids, transcript, segment = list(prompt_ids), "", prefix
     written, turns = 0, []
     stops = sorted(set(stop) | set(grammar.stops()))
@@ -80,7 +93,7 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
             confidence = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
                                            grammar.answer_tag)
             result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns,
-                                 confidence, None if cdir is None else {"fired": False})
+                                 confidence, None if cdir is None else {"fired": False, "threshold": cdir.threshold})
             if cdir is not None and cdir_fires(confidence, cdir.threshold):
                 return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]],
                                        transcript[:turn_start[1]], prefix, max_tokens, max_model_len, stop,
@@ -109,14 +122,16 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     try:
         hit = (await asyncio.wait_for(cdir.search_images([cdir.image], 1), timeout_s))[0][0]
     except Exception as e:  # noqa: BLE001  no case to add: the first answer stands, and the trace says why
-        return dataclasses.replace(first, cdir={"fired": True, "error": type(e).__name__})
+        return dataclasses.replace(first, cdir={"fired": True, "threshold": cdir.threshold,
+                                                "error": type(e).__name__})
     observation_ids = tokenizer.encode(grammar.wrap_observation(case_text(hit)),
                                        add_special_tokens=False)[:grammar.max_observation_tokens]
     ids = history_ids + observation_ids
     transcript = history + tokenizer.decode(observation_ids, skip_special_tokens=False)
     written = first.completion_tokens
     room = min(max_tokens - written, max_model_len - len(ids))
-    record = {"fired": True, "case_id": hit["id"], "caption": hit["caption"], "score": hit["score"]}
+    record = {"fired": True, "threshold": cdir.threshold, "case_id": hit["id"], "caption": hit["caption"],
+              "score": hit["score"]}
     if room <= 0:
         return dataclasses.replace(first, cdir={**record, "error": "no room to answer again"})
     text, new_ids, stopped_by, logprobs = await generate(

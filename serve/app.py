@@ -3,10 +3,10 @@
     MEDRAY_API_KEY=... serve run serve.app:app checkpoint=outputs/quickstart/checkpoints/latest
     MEDRAY_API_KEY=... serve deploy configs/serve.yaml      # on a running cluster (see configs/serve*.yaml)
 
-Routes: GET /health (no key), GET /v1/models, POST /v1/chat/completions (streaming or not); every /v1 route wants
-`Authorization: Bearer <key>`. Arguments are `serve.config.ServeSettings` fields; nested ones as dotted keys
-(`engine.max_model_len=512`, `agent.index_dir=...`). Serve's HTTP proxy binds to 127.0.0.1 unless its
-`http_options.host` says otherwise, and the app never starts without an API key.
+Routes: GET /health (no key), GET /v1/models, POST /v1/chat/completions (streaming or not; image parts for a
+multimodal checkpoint); every /v1 route wants `Authorization: Bearer <key>`. Arguments are `serve.config.ServeSettings`
+fields; nested ones as dotted keys (`engine.max_model_len=512`, `agent.index_dir=...`). Serve's HTTP proxy binds to
+127.0.0.1 unless its `http_options.host` says otherwise, and the app never starts without an API key.
 """
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import itertools
 import json
 import logging
 import time
-from pathlib import Path
 
 import ray
 from fastapi import FastAPI, Request
@@ -25,9 +24,10 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve.agent import run_agent
+from actors.environment import ImageTokens
+from serve.agent import Cdir, run_agent
 from serve.config import ServeSettings, key_digest
-from serve.engine import RequestRejectedError, start_engine
+from serve.engine import EnginePrompt, RequestRejectedError, start_engine
 from serve.images import load_image
 from serve.metrics import serve_metrics
 from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, decode_body,
@@ -136,25 +136,43 @@ class RetrieverServer:
         return self.retriever.search(queries, top_k)
 
 
+@serve.deployment(name="ImageRetriever", ray_actor_options={"num_cpus": 0.25}, health_check_period_s=30)
+class ImageRetrieverServer:
+    """CDIR's image-caption index (`actors.image_index`, BiomedCLIP image cosine) as a Serve deployment: the most
+    similar cases of an agent request's image."""
+
+    def __init__(self, index_dir: str):
+        from actors.image_index import LocalImageRetriever
+        from cluster.devices import pin_threads
+
+        pin_threads(max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))))
+        self.retriever = LocalImageRetriever(index_dir)
+
+    def search(self, images: list, top_k: int) -> list[list[dict]]:
+        return self.retriever.search(images, top_k)
+
+
 @serve.deployment(name="ChatServer", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
                   health_check_period_s=10, health_check_timeout_s=60)
 @serve.ingress(api)
 class ChatServer:
-    """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever is bound."""
+    """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever is bound, CDIR in it when an
+    image retriever is too."""
 
-    def __init__(self, settings: dict, api_key_digest: bytes, retriever: DeploymentHandle | None = None):
+    def __init__(self, settings: dict, api_key_digest: bytes, retriever: DeploymentHandle | None = None,
+                 image_retriever: DeploymentHandle | None = None):
         from transformers import AutoTokenizer
 
         self.settings = ServeSettings.model_validate(settings)
         self.limits = self.settings.limits
         self.key_digest = api_key_digest
-        self.retriever = retriever
+        self.retriever, self.image_retriever = retriever, image_retriever
         self.device = "cuda" if ray.get_gpu_ids() else "cpu"
         num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-        self.engine = start_engine(self.settings.checkpoint, self.settings.engine, self.device, num_cpus)
+        self.vision = ImageTokens.for_model(self.settings.checkpoint)  # None: a text-only checkpoint
+        self.engine = start_engine(self.settings.checkpoint, self.settings.engine, self.device, num_cpus,
+                                   max_images=self.limits.max_images if self.vision else None)
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.checkpoint)
-        config = json.loads((Path(self.settings.checkpoint) / "config.json").read_text())
-        self.multimodal = "vision_config" in config
         self.max_prompt_tokens = self.limits.max_prompt_tokens or self.settings.engine.max_model_len - 1
         self.metrics = serve_metrics()
         log.info("serving %s as %r on %s", self.settings.checkpoint, self.settings.model_name, self.device)
@@ -182,21 +200,22 @@ class ChatServer:
         body = await read_body(request, self.limits.max_body_bytes)
         req = parse_request(decode_body(body))
         agent = self.agent_requested(req)
-        prompt_ids = self.prompt_ids(req)
-        max_tokens = self.max_tokens(req, len(prompt_ids))
+        prompt = self.prompt(req)
+        max_tokens = self.max_tokens(req, prompt.num_tokens)
         cid = completion_id()
         if agent:
-            return await self.agent_completion(req, cid, prompt_ids, max_tokens, started)
+            return await self.agent_completion(req, cid, prompt, max_tokens, started)
         params = self.sampling(req, max_tokens, delta=req.stream)
         if req.stream:
-            return StreamingResponse(self.stream(req, cid, prompt_ids, params, started),
-                                     media_type="text/event-stream")
-        text, n_tokens, reason = "", 0, None
-        async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, cid):
+            return StreamingResponse(self.stream(req, cid, prompt, params, started), media_type="text/event-stream")
+        text, n_prompt, n_tokens, reason = "", prompt.num_tokens, 0, None
+        async for output in self.engine.generate(prompt.to_vllm(), params, cid):
             seq = output.outputs[0]
-            text, n_tokens, reason = seq.text, len(seq.token_ids), seq.finish_reason
-        self.metrics.finished("chat", False, time.perf_counter() - started, len(prompt_ids), n_tokens)
-        return completion(cid, req.model, text, finish_reason(reason), usage(len(prompt_ids), n_tokens))
+            # usage counts the prompt as the engine ran it: with each image's placeholder expanded to its run of pads
+            n_prompt, text, n_tokens, reason = len(output.prompt_token_ids), seq.text, len(seq.token_ids), \
+                seq.finish_reason
+        self.metrics.finished("chat", False, time.perf_counter() - started, n_prompt, n_tokens)
+        return completion(cid, req.model, text, finish_reason(reason), usage(n_prompt, n_tokens))
 
     def authenticate(self, request: Request) -> None:
         scheme, _, key = request.headers.get("authorization", "").partition(" ")
@@ -217,13 +236,14 @@ class ChatServer:
                            param="model")
         return agent
 
-    def prompt_ids(self, req: ChatRequest) -> list[int]:
-        """The chat template applied to the messages, after every image part has been checked."""
+    def prompt(self, req: ChatRequest) -> EnginePrompt:
+        """The chat template applied to the messages, after every image part has been checked and decoded. Each image
+        is one placeholder in the ids (vLLM's form); the prompt-token limit counts the tokens it expands to."""
         if len(req.messages) > self.limits.max_messages:
             raise APIError(400, f"more than {self.limits.max_messages} messages", param="messages")
         if req.continue_final_message and req.messages[-1].role != "assistant":
             raise APIError(400, "continue_final_message needs an assistant message last", param="messages")
-        messages, n_images = [], 0
+        messages, images = [], []
         for i, message in enumerate(req.messages):
             if isinstance(message.content, str):
                 messages.append({"role": message.role, "content": message.content})
@@ -234,23 +254,29 @@ class ChatServer:
                 if part.type == "text":
                     parts.append({"type": "text", "text": part.text or ""})
                     continue
-                n_images += 1
                 if part.image_url is None:
                     raise APIError(400, "image_url part without an image_url", param=param)
-                if n_images > self.limits.max_images:
+                if len(images) == self.limits.max_images:
                     raise APIError(400, f"more than {self.limits.max_images} images", param=param)
-                load_image(part.image_url.url, self.limits, param)
+                images.append(load_image(part.image_url.url, self.limits, param))
+                parts.append({"type": "image"})  # the chat template's placeholder: <|vision_start|><|image_pad|>...
             messages.append({"role": message.role, "content": parts})
-        if n_images:  # checked first, so a bad image is reported as such whatever the model
-            raise APIError(400, (f"model {req.model!r} is text-only and cannot take image inputs" if not self.multimodal
-                                 else "image inputs to multimodal checkpoints are not served yet"), param="messages")
+        if images and self.vision is None:  # checked after decoding, so a bad image is reported as such
+            raise APIError(400, f"model {req.model!r} is text-only and cannot take image inputs", param="messages")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=not req.continue_final_message,
                                                  continue_final_message=req.continue_final_message, tokenize=True,
                                                  return_dict=False)
-        if len(ids) > self.max_prompt_tokens:
-            raise APIError(400, f"prompt has {len(ids)} tokens, more than the limit of {self.max_prompt_tokens}",
+        n_tokens = len(ids)
+        if self.vision is not None:
+            try:  # the length vLLM will see: each placeholder expanded to its image's run of pads
+                n_tokens = len(self.vision.expand(ids, [self.vision.grid(image) for image in images]))
+            except ValueError:  # "<|image_pad|>" typed into a message would take an image that is not there
+                raise APIError(400, "message text holds image placeholder tokens (<|image_pad|>); send images as "
+                                    "image_url parts", param="messages") from None
+        if n_tokens > self.max_prompt_tokens:
+            raise APIError(400, f"prompt has {n_tokens} tokens, more than the limit of {self.max_prompt_tokens}",
                            param="messages", code="context_length_exceeded")
-        return ids
+        return EnginePrompt(ids, images, n_tokens - len(ids))
 
     def max_tokens(self, req: ChatRequest, n_prompt: int) -> int:
         room = self.settings.engine.max_model_len - n_prompt
@@ -269,7 +295,8 @@ class ChatServer:
     def sampling(self, req: ChatRequest, max_tokens: int, *, delta: bool, agent_stops: list[str] | None = None,
                  seed: int | None = None):
         """vLLM's sampling parameters for `req`. Agent turns stop at the grammar's tags and keep them in the text (the
-        loop reads them); a client's own stop strings are cut, as OpenAI does."""
+        loop reads them), and, as in training (EpisodeRunner), at image tokens: a placeholder the model wrote would
+        stand for no image in the next turn's prompt. A client's own stop strings are cut, as OpenAI does."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -279,6 +306,8 @@ class ChatServer:
                                   logit_bias=self.logit_bias(req), presence_penalty=req.presence_penalty,
                                   frequency_penalty=req.frequency_penalty,
                                   include_stop_str_in_output=agent_stops is not None,
+                                  stop_token_ids=self.vision.special_ids if agent_stops is not None and self.vision
+                                  else None,
                                   logprobs=0 if agent_stops is not None else None,  # agent: CDIR's confidence
                                   skip_special_tokens=True,
                                   output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY)
@@ -295,14 +324,14 @@ class ChatServer:
             raise APIError(400, f"logit_bias keys must be token ids below {vocab}", param="logit_bias")
         return bias
 
-    async def stream(self, req: ChatRequest, cid: str, prompt_ids: list[int], params, started: float):
+    async def stream(self, req: ChatRequest, cid: str, prompt: EnginePrompt, params, started: float):
         """Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`."""
-        model, n_tokens = req.model, 0
+        model, n_prompt, n_tokens = req.model, prompt.num_tokens, 0
         yield sse(chunk(cid, model, {"role": "assistant", "content": ""}))
         try:
-            async for output in self.engine.generate({"prompt_token_ids": prompt_ids}, params, cid):
+            async for output in self.engine.generate(prompt.to_vllm(), params, cid):
                 seq = output.outputs[0]
-                n_tokens += len(seq.token_ids)
+                n_prompt, n_tokens = len(output.prompt_token_ids), n_tokens + len(seq.token_ids)
                 if seq.text:
                     yield sse(chunk(cid, model, {"content": seq.text}))
                 if output.finished:
@@ -311,13 +340,15 @@ class ChatServer:
             log.exception("stream %s failed", cid)
             yield sse(APIError(500, f"generation failed: {type(e).__name__}").body())
         if req.stream_options and req.stream_options.include_usage:
-            yield sse(usage_chunk(cid, model, usage(len(prompt_ids), n_tokens)))
+            yield sse(usage_chunk(cid, model, usage(n_prompt, n_tokens)))
         yield sse("[DONE]")
-        self.metrics.finished("chat", True, time.perf_counter() - started, len(prompt_ids), n_tokens)
+        self.metrics.finished("chat", True, time.perf_counter() - started, n_prompt, n_tokens)
 
-    async def agent_completion(self, req: ChatRequest, cid: str, prompt_ids: list[int], max_tokens: int,
+    async def agent_completion(self, req: ChatRequest, cid: str, prompt: EnginePrompt, max_tokens: int,
                                started: float):
-        """Run the retrieval loop to the end, then answer (as one completion, or as a short event stream)."""
+        """Run the retrieval loop to the end, then answer (as one completion, or as a short event stream). With an
+        image retriever and an image in the request, CDIR re-retrieves by the first image on a low-confidence
+        answer."""
         options = req.agent or AgentOptions()
         grammar = self.settings.agent.grammar.model_copy(update={
             k: v for k, v in {"max_turns": options.max_turns, "top_k": options.top_k}.items() if v is not None})
@@ -325,7 +356,7 @@ class ChatServer:
 
         async def generate(ids: list[int], budget: int, stops: list[str], seed: int | None):
             params = self.sampling(req, budget, delta=False, agent_stops=stops, seed=seed)
-            async for output in self.engine.generate({"prompt_token_ids": ids}, params, f"{cid}-{next(turn_ids)}"):
+            async for output in self.engine.generate(prompt.to_vllm(ids), params, f"{cid}-{next(turn_ids)}"):
                 seq = output.outputs[0]
             stopped_by = seq.stop_reason if isinstance(seq.stop_reason, str) else None
             return seq.text, list(seq.token_ids), stopped_by, [lp[t].logprob for lp, t in zip(seq.logprobs,
@@ -334,17 +365,24 @@ class ChatServer:
         async def search(queries: list[str], top_k: int) -> list[list[dict]]:
             return await self.retriever.search.remote(queries, top_k)
 
+        async def search_images(images: list, top_k: int) -> list[list[dict]]:
+            return await self.image_retriever.search.remote(images, top_k)
+
+        cdir = Cdir(prompt.images[0], search_images, self.settings.agent.cdir_threshold) \
+            if self.image_retriever is not None and prompt.images else None
         prefix = req.messages[-1].content if req.continue_final_message else ""
-        result = await run_agent(generate, search, self.tokenizer, grammar, prompt_ids,
+        # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
+        result = await run_agent(generate, search, self.tokenizer, grammar, prompt.ids,
                                  prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
-                                 max_model_len=self.settings.engine.max_model_len, stop=req.stop_list,
-                                 seed=req.seed, timeout_s=self.settings.agent.retrieval_timeout_s)
+                                 max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
+                                 stop=req.stop_list, seed=req.seed, timeout_s=self.settings.agent.retrieval_timeout_s,
+                                 cdir=cdir)
         self.metrics.agent_turns(result.turns)
-        self.metrics.finished("agent", req.stream, time.perf_counter() - started, len(prompt_ids),
+        self.metrics.finished("agent", req.stream, time.perf_counter() - started, prompt.num_tokens,
                               result.completion_tokens)
         reason = "stop" if result.answer is not None else "length"
         extra = {"trace": result.trace()} if options.trace else {}
-        token_usage = usage(len(prompt_ids), result.completion_tokens)
+        token_usage = usage(prompt.num_tokens, result.completion_tokens)
         if not req.stream:
             return completion(cid, req.model, result.answer or "", reason, token_usage, **extra)
         events = [chunk(cid, req.model, {"role": "assistant", "content": result.answer or ""}),
@@ -360,9 +398,10 @@ def app(args: dict) -> serve.Application:
     settings = ServeSettings.model_validate(nest_dotted(args))
     digest = settings.api_key_digest()
     settings = settings.resolved()
-    retriever = (RetrieverServer.bind(settings.agent.index_dir, settings.agent.retrieval)
-                 if settings.agent.index_dir else None)
-    return ChatServer.bind(settings.model_dump(), digest, retriever)
+    agent = settings.agent
+    retriever = RetrieverServer.bind(agent.index_dir, agent.retrieval) if agent.index_dir else None
+    image_retriever = ImageRetrieverServer.bind(agent.image_index_dir) if agent.image_index_dir else None
+    return ChatServer.bind(settings.model_dump(), digest, retriever, image_retriever)
 
 
 def nest_dotted(args: dict) -> dict:

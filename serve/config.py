@@ -6,6 +6,7 @@ These are the application arguments of `serve run serve.app:app key=value ...` a
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 from typing import Literal
@@ -13,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.environment import Grammar
+from learners.cdir import THRESHOLD
 
 API_KEY_ENV = "MEDRAY_API_KEY"
 
@@ -55,6 +57,11 @@ class AgentSettings(Strict):
     retrieval: dict = Field(default_factory=dict, description="actors.retriever.RetrievalConfig fields")
     grammar: Grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=4, top_k=3)
     retrieval_timeout_s: float = Field(30.0, gt=0)
+    image_index_dir: str | None = Field(
+        None, description="CDIR's image-caption index (python -m actors.image_index): with a multimodal checkpoint, "
+                          "a low-confidence agent answer is retried with the case most like the request's first image")
+    cdir_threshold: float = Field(THRESHOLD, ge=0, le=1, description="CDIR fires when the confidence is below this "
+                                                                     "(Med-RwR's lambda)")
 
 
 class ServeSettings(Strict):
@@ -85,11 +92,31 @@ class ServeSettings(Strict):
         if not (checkpoint / "config.json").is_file():
             raise ValueError(f"checkpoint {self.checkpoint} is not a Hugging Face model directory (no config.json)")
         index_dir = self.agent.index_dir and str(Path(self.agent.index_dir).expanduser().resolve())
+        image_index_dir = self.agent.image_index_dir and str(Path(self.agent.image_index_dir).expanduser().resolve())
+        if image_index_dir:
+            check_cdir(checkpoint, index_dir, image_index_dir)
         roots = [str(Path(root).expanduser().resolve()) for root in self.limits.image_roots]
         return self.model_copy(update={
             "api_key": None, "checkpoint": str(checkpoint),
             "limits": self.limits.model_copy(update={"image_roots": roots}),
-            "agent": self.agent.model_copy(update={"index_dir": index_dir})})
+            "agent": self.agent.model_copy(update={"index_dir": index_dir, "image_index_dir": image_index_dir})})
+
+
+def check_cdir(checkpoint: Path, index_dir: str | None, image_index_dir: str) -> None:
+    """CDIR runs inside agent mode on the request's image: it needs a text index, a multimodal checkpoint and an
+    image index. Raises ValueError naming the field otherwise."""
+    from actors.image_index import read_image_manifest
+    from actors.retrieval_index import IndexMismatchError
+
+    if not index_dir:
+        raise ValueError("agent.image_index_dir: CDIR runs in agent mode, which needs agent.index_dir as well")
+    if "vision_config" not in json.loads((checkpoint / "config.json").read_text()):
+        raise ValueError(f"agent.image_index_dir: CDIR re-retrieves by the request's image, but checkpoint "
+                         f"{checkpoint} is text-only (no vision_config in its config.json)")
+    try:
+        read_image_manifest(image_index_dir)
+    except (FileNotFoundError, IndexMismatchError) as e:
+        raise ValueError(f"agent.image_index_dir: {e}") from None
 
 
 def key_digest(key: str) -> bytes:

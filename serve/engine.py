@@ -1,5 +1,6 @@
 """The vLLM engine inside a Serve replica, behind one async interface: `generate(prompt, params, request_id)` yields
-vLLM `RequestOutput`s as tokens arrive, and closing the generator early aborts the request.
+vLLM `RequestOutput`s as tokens arrive, and closing the generator early aborts the request. `prompt` is vLLM's token
+prompt, `EnginePrompt.to_vllm()`'s form.
 
 Two implementations, picked by the device Ray gave the replica: on CPU vLLM's `LLMEngine` runs in the replica's own
 process, stepped by a background thread (starts in seconds; vLLM's `AsyncLLM` needs an engine-core process that
@@ -12,11 +13,32 @@ import logging
 import os
 import queue
 import threading
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from serve.config import EngineSettings
 
 log = logging.getLogger("medray.serve")
+
+
+@dataclass
+class EnginePrompt:
+    """A chat prompt as the engine takes it: token ids with ONE `<|image_pad|>` per image (vLLM expands each into the
+    image's run of pads itself, see actors.environment.ImageTokens) and the images, in order."""
+    ids: list[int]
+    images: list = field(default_factory=list)  # RGB PIL images
+    image_tokens: int = 0  # the pads the images expand to, beyond the one each already has in `ids`
+
+    @property
+    def num_tokens(self) -> int:
+        """The prompt's length in the model's context, image tokens included (what the limits count)."""
+        return len(self.ids) + self.image_tokens
+
+    def to_vllm(self, ids: list[int] | None = None) -> dict:
+        """vLLM's token prompt of `ids` (default: this prompt's; agent turns pass the prompt grown by their turns,
+        which keeps the images' placeholders)."""
+        prompt = {"prompt_token_ids": self.ids if ids is None else ids}
+        return {**prompt, "multi_modal_data": {"image": self.images}} if self.images else prompt
 
 
 class EngineDeadError(RuntimeError):
@@ -127,8 +149,10 @@ class AsyncLLMEngine:
         await self.engine.check_health()
 
 
-def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpus: float):
-    """Build the engine for `device` ('cuda' or 'cpu'), setting the CPU environment vLLM reads at start-up."""
+def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpus: float,
+                 max_images: int | None = None):
+    """Build the engine for `device` ('cuda' or 'cpu'), setting the CPU environment vLLM reads at start-up.
+    `max_images`: images per prompt of a multimodal checkpoint (None: a text-only one)."""
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
     on_cpu = device == "cpu"
@@ -151,6 +175,8 @@ def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpu
                 # generators cannot do, so requests with a seed would fail.
                 enforce_eager=on_cpu, enable_chunked_prefill=not on_cpu,
                 distributed_executor_backend="uni" if on_cpu else None)
+    if max_images is not None:  # vLLM sizes the vision encoder's cache for this many images; no video inputs
+        args["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
     log.info("starting vLLM (%s, %s) on %s", backend, checkpoint, device)
     if backend == "in_process":
         return InProcessEngine(EngineArgs(**args))

@@ -87,7 +87,12 @@ def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | No
         observation, done, info = gym.step(policy)
         if info["record"].get("error") is not None or done:
             raise RuntimeError(f"task {task['id']}: the expert's {call['name']} call failed: {observation.text}")
-        segment = {"role": "environment", "text": cut_observation(grammar, observation.text, tokenizer)}
+        if observation.images:  # shown to the policy as the runner shows them: image placeholders, then the text
+            from actors.environment import ImageTokens
+            body = ImageTokens.placeholder * len(observation.images) + observation.text
+            segment = {"role": "environment", "text": grammar.wrap_observation(body)}
+        else:
+            segment = {"role": "environment", "text": cut_observation(grammar, observation.text, tokenizer)}
         if observation.images and image_dir is not None:
             image_dir.mkdir(parents=True, exist_ok=True)
             segment["images"] = []

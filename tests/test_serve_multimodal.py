@@ -1,0 +1,170 @@
+"""Images through the Serve endpoint, and CDIR in agent mode, on the tiny Qwen2.5-VL.
+
+A deployment of its own (the module in tests/test_serve.py holds the text model's, and the test Ray has 2 CPUs):
+serve.app:app on the tiny VL checkpoint with a BM25 index for agent mode and the imaging world's CDIR image index,
+asked through the stock `openai` client with imaging-world scans as data URLs (random weights: the tests check what
+reaches the model and what comes back, not what the model says).
+"""
+import base64
+import json
+import socket
+import time
+
+import pytest
+
+from learners.config import TinyModelConfig
+
+KEY = "test-key-vl-0123456789"
+VL = TinyModelConfig(arch="qwen2_5_vl")
+MAX_MODEL_LEN, MAX_PROMPT_TOKENS = 256, 96
+
+
+@pytest.fixture(scope="module")
+def vl_model_path():
+    from learners.tiny_models import ensure_tiny_model
+    return ensure_tiny_model(VL)
+
+
+@pytest.fixture(scope="module")
+def scan():
+    """An imaging-world test scan: a 448 x 448 PNG the model sees at 112 px (16 image tokens)."""
+    from tasks.build_imaging import ensure_imaging_world
+
+    split = ensure_imaging_world(progress=False)["finding_mcq_test"]
+    return split.parent / json.loads(split.read_text().splitlines()[0])["images"][0]
+
+
+def data_url(path) -> str:
+    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+
+
+def image_message(text: str, *urls: str) -> list[dict]:
+    return [{"role": "user", "content": [*({"type": "image_url", "image_url": {"url": u}} for u in urls),
+                                         {"type": "text", "text": text}]}]
+
+
+def test_cdir_settings_are_checked_when_the_app_is_built(tiny_model_path, vl_model_path, tmp_path):
+    """CDIR needs agent mode, a multimodal checkpoint and an image index; each missing piece names its field."""
+    from serve.config import ServeSettings
+
+    def resolve(checkpoint, **agent):
+        return ServeSettings(checkpoint=str(checkpoint), api_key=KEY, agent=agent).resolved()
+
+    (tmp_path / "kb").mkdir()
+    with pytest.raises(ValueError, match="agent.image_index_dir: CDIR runs in agent mode"):
+        resolve(vl_model_path, image_index_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="agent.image_index_dir: .* is text-only"):
+        resolve(tiny_model_path, index_dir=str(tmp_path / "kb"), image_index_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="agent.image_index_dir: .* is not an image index"):
+        resolve(vl_model_path, index_dir=str(tmp_path / "kb"), image_index_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="cdir_threshold"):
+        resolve(vl_model_path, cdir_threshold=1.5)
+
+
+@pytest.fixture(scope="module")
+def vl_server(ray_session, vl_model_path, tmp_path_factory):
+    """serve.app:app on the tiny VL model, agent mode over a BM25 index, CDIR over the imaging world's image index."""
+    from ray import serve
+
+    from actors.build_index import build_index
+    from actors.image_index import ensure_image_index
+    from actors.retrieval_index import IndexConfig
+    from serve.app import app
+
+    work = tmp_path_factory.mktemp("serve_vl")
+    kb = work / "kb.jsonl"
+    kb.write_text("".join(json.dumps({"id": f"{doc}#0", "doc_id": doc, "title": doc, "text": text, "source": "test"})
+                          + "\n" for doc, text in [("abscess", "Lung abscess: a cavity with an air-fluid level."),
+                                                   ("cyst", "Pulmonary cyst: a round lucency with a thin wall.")]))
+    build_index(kb, work / "index", config=IndexConfig(kind="none"), progress=False)
+    image_index = ensure_image_index()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"checkpoint": str(vl_model_path), "api_key": KEY, "engine.max_model_len": str(MAX_MODEL_LEN),
+            "engine.kv_cache_gb": "1", "engine.threads": "2", "limits.max_tokens": "32",
+            "limits.max_prompt_tokens": str(MAX_PROMPT_TOKENS), "agent.index_dir": str(work / "index"),
+            "agent.retrieval": {"mode": "sparse"}, "agent.image_index_dir": str(image_index)}
+    started = time.perf_counter()
+    serve.run(app(args), name="medray-vl", route_prefix="/", blocking=False)
+    print(f"deployed in {time.perf_counter() - started:.1f}s")
+    yield {"url": f"http://127.0.0.1:{port}", "image_index": image_index}
+    serve.shutdown()
+
+
+@pytest.fixture
+def client(vl_server):
+    from openai import OpenAI
+    return OpenAI(base_url=vl_server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.mark.slow
+def test_an_image_reaches_the_model_and_counts_its_tokens(client, scan):
+    """A scan as a data URL gets an answer. Usage counts the prompt as vLLM ran it: 16 more tokens than the
+    placeholder the text holds only when vLLM took the image and expanded it (with the delimiters: text-only + 18).
+    Streaming gives the same text and usage."""
+    ask = dict(model="medray", max_tokens=12, seed=5)
+    text_only = client.chat.completions.create(messages=[{"role": "user", "content": "What is shown?"}], **ask)
+    assert text_only.choices[0].message.content and text_only.usage.prompt_tokens > 0
+    first = client.chat.completions.create(messages=image_message("What is shown?", data_url(scan)), **ask)
+    assert first.choices[0].message.content and first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage.prompt_tokens == text_only.usage.prompt_tokens + 16 + 2
+    streamed = list(client.chat.completions.create(messages=image_message("What is shown?", data_url(scan)),
+                                                   stream=True, stream_options={"include_usage": True}, **ask))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
+        first.choices[0].message.content
+    assert streamed[-1].usage.prompt_tokens == first.usage.prompt_tokens
+
+
+@pytest.mark.slow
+def test_bad_image_requests_get_4xx(vl_server, client, scan):
+    """Each refusal names its cause; the prompt limit counts image tokens (4 scans: 72 of them, over the limit of 96
+    with the text, while one scan fits)."""
+    import httpx
+
+    url = data_url(scan)
+    truncated = "data:image/png;base64," + base64.b64encode(scan.read_bytes()[:5000]).decode()
+    cases = {
+        "truncated PNG": (image_message("What?", truncated), "could not be decoded"),
+        "not base64": (image_message("What?", "data:image/png;base64,@@@"), "base64"),
+        "placeholder typed as text": (image_message("What? <|image_pad|>", url), "image placeholder tokens"),
+        "image tokens over the prompt limit": (image_message("What is shown? " * 4, *[url] * 4),
+                                               f"more than the limit of {MAX_PROMPT_TOKENS}"),
+        "too many images": (image_message("What?", *[url] * 5), "more than 4 images"),
+    }
+    for name, (messages, message) in cases.items():
+        response = httpx.post(vl_server["url"] + "/v1/chat/completions", timeout=60,
+                              headers={"Authorization": f"Bearer {KEY}"},
+                              json={"model": "medray", "messages": messages, "max_tokens": 4})
+        assert response.status_code == 400, f"{name}: {response.status_code} {response.text}"
+        assert message in response.json()["error"]["message"], f"{name}: {response.text}"
+    reply = client.chat.completions.create(model="medray", messages=image_message("What?", url), max_tokens=2)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.slow
+def test_agent_mode_runs_cdir_on_the_request_image(vl_server, client, scan, vl_model_path):
+    """A logit bias on `<answer>` and `</answer>` makes the random model answer at once; the answer's confidence is
+    the model's own probability of its first answer token (vLLM's raw log-prob, before the bias), far below 0.8 for a
+    random model, so CDIR fires: the trace names the case the image index finds for the scan and the confidence
+    after the re-answer."""
+    from transformers import AutoTokenizer
+
+    from actors.image_index import LocalImageRetriever
+
+    tokenizer = AutoTokenizer.from_pretrained(vl_model_path)
+    open_answer, close_answer = tokenizer.convert_tokens_to_ids(["<answer>", "</answer>"])
+    reply = client.chat.completions.create(
+        model="medray-agent", max_tokens=16, seed=7, logit_bias={str(open_answer): 100, str(close_answer): 99},
+        messages=image_message("Which finding is present?", data_url(scan)),
+        extra_body={"agent": {"trace": True}})
+    trace = reply.model_extra["trace"]
+    cdir = trace["cdir"]
+    assert cdir["threshold"] == 0.8 and "confidence" in trace
+    assert cdir["fired"] == (trace["confidence"] is not None and trace["confidence"] < cdir["threshold"])
+    assert cdir["fired"], f"the biased model was meant to answer: {trace['finish']} {trace['transcript']!r}"
+    expected = LocalImageRetriever(vl_server["image_index"]).search([str(scan)], 1)[0][0]
+    assert cdir["case_id"] == expected["id"] and cdir["caption"] == expected["caption"]
+    assert cdir["score"] == pytest.approx(expected["score"], abs=1e-4)
+    assert "confidence_after" in cdir and "Similar case" in trace["transcript"]
