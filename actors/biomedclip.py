@@ -21,13 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from tasks.files import sha256_file
+from tasks.files import building_dir, sha256_file
 from tasks.hpo import cache_dir
 
 TINY_SEED = 0
@@ -99,9 +97,7 @@ def ensure_tiny_biomedclip() -> Path:
     out = cache_dir() / "models" / tiny_build_key()
     if (out / "open_clip_config.json").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with building_dir(out) as tmp:
         tokenizer = train_wordpiece_tokenizer(tokenizer_corpus(), TINY_VOCAB_SIZE, tmp)
         BertConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id, **TINY_BERT).save_pretrained(tmp)
         cfg = tiny_open_clip_config()
@@ -110,13 +106,6 @@ def ensure_tiny_biomedclip() -> Path:
         state = {k: v.contiguous() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / "open_clip_model.safetensors"))
         (tmp / "open_clip_config.json").write_text(json.dumps(cfg, indent=2))
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

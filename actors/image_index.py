@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import ray
 
-from actors.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index
+from actors.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index, read_manifest
 from tasks.files import file_lock
 
 IMAGE_INDEX_FORMAT = 1
@@ -133,13 +133,7 @@ def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | No
 
 def read_image_manifest(index_dir: str | os.PathLike) -> dict:
     path = Path(index_dir) / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"{index_dir} is not an image index (no {MANIFEST}); build one with "
-                                f"python -m actors.image_index --out {index_dir}")
-    try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IndexMismatchError(f"{path} is not a readable manifest ({e}); rebuild the index") from None
+    manifest = read_manifest(index_dir, "an image index", f"python -m actors.image_index --out {index_dir}")
     if manifest.get("kind") != "image":
         raise IndexMismatchError(f"{path}: field 'kind' is {manifest.get('kind')!r}, not 'image' (a text retrieval "
                                  f"index? those are searched by actors.retriever)")

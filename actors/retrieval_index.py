@@ -243,16 +243,17 @@ def _write_shard(directory: Path, chunks: list[dict], vectors: np.ndarray | None
     return manifest
 
 
-def read_manifest(index_dir: str | os.PathLike) -> dict:
+def read_manifest(index_dir: str | os.PathLike, what: str = "a retrieval index",
+                  build: str = "python -m actors.build_index") -> dict:
+    """The manifest of the index in `index_dir`; a missing or unreadable one is an error saying how to `build` it."""
     path = Path(index_dir) / MANIFEST
     if not path.is_file():
-        raise FileNotFoundError(f"{index_dir} is not a retrieval index (no {MANIFEST}); build one with "
-                                f"python -m actors.build_index")
+        raise FileNotFoundError(f"{index_dir} is not {what} (no {MANIFEST}); build one with {build}")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise IndexMismatchError(f"{path} is not a readable index manifest ({e}); rebuild the index with "
-                                 f"python -m actors.build_index") from None
+                                 f"{build}") from None
 
 
 def shard_dirs(index_dir: str | os.PathLike) -> list[Path]:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 from learners.config import TinyModelConfig
+from tasks.files import building_dir
 from tasks.hpo import cache_dir
 from tasks.imaging import INPUT_SIZE
 
@@ -133,9 +132,7 @@ def ensure_tiny_model(cfg: TinyModelConfig) -> Path:
     out = cache_dir() / "models" / build_key(cfg)
     if (out / "config.json").exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
-    try:
+    with building_dir(out) as tmp:
         tokenizer = train_tokenizer(tokenizer_corpus(), cfg.vocab_size, tmp)
         config = _model_config(cfg, tokenizer)
         torch.manual_seed(cfg.seed)
@@ -150,11 +147,4 @@ def ensure_tiny_model(cfg: TinyModelConfig) -> Path:
         if cfg.arch != "qwen2":
             save_processor(tokenizer, tmp)
         (tmp / "medray_build.json").write_text(json.dumps({"tiny": cfg.model_dump(), "build": BUILD_VERSION}))
-        try:
-            tmp.rename(out)
-        except OSError:  # another process finished first; theirs is identical
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

@@ -33,3 +33,26 @@ def with_defaults(sizes: dict, defaults: dict, what: str) -> dict:
     if unknown:
         raise TypeError(f"unknown {what} arguments {sorted(unknown)}; known: {sorted(defaults)}")
     return {**defaults, **sizes}
+
+
+@contextmanager
+def building_dir(out: str | os.PathLike):
+    """Yield a fresh temporary sibling of `out` to build into; on success it becomes `out` by an atomic rename (if
+    another process finished first, theirs is kept: builds are deterministic), on failure it is removed. Concurrent
+    or interrupted builds never leave a half-written directory at `out`."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        yield tmp
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
