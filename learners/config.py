@@ -97,6 +97,11 @@ class RolloutConfig(Strict):
     fidelity_check_every: int = Field(0, ge=0, description="every N steps compare engine and learner logprobs (0: off)")
     fidelity_tolerance: float = 1e-4
 
+    def sampling(self) -> dict:
+        """What every generation turn is sampled with (vLLM SamplingParams fields)."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_new_tokens,
+                "stop": self.stop}
+
 
 class AlgorithmConfig(Strict):
     eps_low: float = Field(0.2, ge=0)

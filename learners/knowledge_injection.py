@@ -11,10 +11,13 @@ answer in place of its own (the answer is the paper's "semantic anchor" that gui
 """
 from __future__ import annotations
 
+import logging
 import re
 from collections import Counter
 
 import numpy as np
+
+log = logging.getLogger("medray.knowledge_injection")
 
 
 def question_text(task: dict) -> str:
@@ -72,3 +75,39 @@ def anchored_segments(segments: list[dict], gold: str, answer_tag: str = "answer
     cut = text.rfind(f"<{answer_tag}>")
     out[last_policy]["text"] = (text[:cut] if cut >= 0 else re.sub(r"\s+$", "", text)) + anchored
     return out[:last_policy + 1]
+
+
+def generate_demonstrations(workers: list, tasks: list[dict], tokenizer, cfg, sft, seed: int, path) -> int:
+    """Sample `sft.samples` rollouts of each representative question of `tasks` on the rollout `workers` (the current
+    policy) and write the demonstrations to `path`: a question's correct rollouts, or, if none is, its first rollout's
+    reasoning anchored to the gold answer. Returns how many were written."""
+    import ray
+
+    from actors.encoders import load_encoder
+    from rewards.builtin import answer_correct
+    from tasks.files import write_jsonl
+
+    embeddings = load_encoder("minilm").encode([question_text(t) for t in tasks])
+    chosen = representative_tasks([str(t["answer"]) for t in tasks], embeddings, sft.min_answer_frequency,
+                                  sft.clusters, cfg.seed)
+    parts = np.array_split(np.arange(len(chosen)), len(workers))
+    refs = [w.rollout.options(num_returns=2).remote([tasks[chosen[i]] for i in part], part.tolist(), sft.samples,
+                                                    cfg.rollout.sampling(), seed, cfg.rollout.grammar.model_dump())[0]
+            for w, part in zip(workers, parts)]
+    demos = []
+    for trajectories in ray.get(refs):
+        by_question: dict[int, list] = {}
+        for t in trajectories:
+            by_question.setdefault(t.group, []).append(t)
+        for group in by_question.values():
+            correct = [t for t in group if answer_correct(t)]
+            for t in correct or group[:1]:
+                segments = segments_of(t, tokenizer)
+                if not correct:
+                    segments = anchored_segments(segments, str(t.task["answer"]), cfg.rollout.grammar.answer_tag)
+                demos.append({"task": t.task, "segments": segments, "correct": bool(correct)})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    written = write_jsonl(path, demos)
+    log.info("knowledge injection: %d representative questions, %d demonstrations (%d from correct rollouts)",
+             len(chosen), written, sum(d["correct"] for d in demos))
+    return written

@@ -6,7 +6,6 @@ numbers; trajectories go from rollout workers to reward actors and learners dire
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from learners.data import PromptSampler, demonstration_trajectory, load_tasks, r
 from learners.learner_group import LearnerGroup
 from learners.metrics import MetricsLogger
 from learners.tiny_models import ensure_tiny_model
-from rewards.registry import needs_answer_logprobs
+from rewards.registry import is_diagnostic, needs_answer_logprobs
 from rewards.reward_actor import RewardActor
 
 log = logging.getLogger("medray.trainer")
@@ -132,47 +131,15 @@ class Trainer:
             ray.get([r.__ray_ready__.remote() for r in self.rewarders])
 
     def self_demonstrations(self, cfg: RunConfig) -> list[dict]:
-        """ARMed's knowledge injection data (learners/knowledge_injection.py): the current policy's rollouts on the
-        representative questions of the stage's data. Written to output_dir/stages/<stage>/demonstrations.jsonl once,
-        so a run resumed inside the stage trains on the same data."""
-        from actors.encoders import load_encoder
-        from learners import knowledge_injection as ki
-        from rewards.builtin import answer_correct
+        """ARMed's knowledge-injection data, generated once by the current policy and kept under
+        output_dir/stages/<stage>/ so a run resumed inside the stage trains on the same data."""
+        from learners.knowledge_injection import generate_demonstrations
 
         path = self.out / "stages" / self.stage.name / "demonstrations.jsonl"
-        if path.exists():
-            return read_demonstrations(path)
-        sft, tasks = self.stage.sft, self._load_tasks(cfg)
-        embeddings = load_encoder("minilm").encode([ki.question_text(t) for t in tasks])
-        chosen = ki.representative_tasks([str(t["answer"]) for t in tasks], embeddings, sft.min_answer_frequency,
-                                         sft.clusters, cfg.seed)
-        sampling = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
-                    "max_tokens": cfg.rollout.max_new_tokens, "stop": cfg.rollout.stop}
-        chunks = np.array_split(np.arange(len(chosen)), len(self.workers))
-        refs = [w.rollout.options(num_returns=2).remote([tasks[chosen[i]] for i in part], part.tolist(), sft.samples,
-                                                        sampling, derive_seed(cfg.seed, "inject", self.step),
-                                                        cfg.rollout.grammar.model_dump())[0]
-                for w, part in zip(self.workers, chunks)]
-        demos = []
-        for trajectories in ray.get(refs):
-            by_task: dict[int, list] = {}
-            for t in trajectories:
-                by_task.setdefault(t.group, []).append(t)
-            for group in by_task.values():
-                correct = [t for t in group if answer_correct(t)]
-                for t in correct or group[:1]:
-                    segments = ki.segments_of(t, self.tokenizer)
-                    if not correct:
-                        segments = ki.anchored_segments(segments, str(t.task["answer"]),
-                                                        cfg.rollout.grammar.answer_tag)
-                    demos.append({"task": t.task, "segments": segments, "correct": bool(correct)})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(d) + "\n" for d in demos))
-        tmp.rename(path)
-        log.info("knowledge injection: %d representative questions, %d demonstrations (%d from correct rollouts)",
-                 len(chosen), len(demos), sum(d["correct"] for d in demos))
-        return demos
+        if not path.exists():
+            generate_demonstrations(self.workers, self._load_tasks(cfg), self.tokenizer, cfg, self.stage.sft,
+                                    derive_seed(cfg.seed, "inject", self.step), path)
+        return read_demonstrations(path)
 
     def _load_tasks(self, cfg: RunConfig) -> list[dict]:
         tasks = load_tasks(cfg.data.train)
@@ -197,7 +164,7 @@ class Trainer:
         """Send step `step`'s prompts to the rollout workers, whole groups per worker."""
         r = self.stage_cfg.rollout
         indices = self.sampler.batch(step)
-        sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_tokens": r.max_new_tokens, "stop": r.stop}
+        sampling = r.sampling()
         step_seed = derive_seed(self.cfg.seed, step)
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
         calls = [([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed,
@@ -387,7 +354,8 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
     record = {
         "step": step,
         "reward_mean": float(totals.mean()), "reward_std": float(totals.std()),
-        **{f"reward/{k}": float(np.mean(v)) for k, v in components.items()},
+        **{f"reward/{k}": float(np.mean(v)) for k, v in components.items() if not is_diagnostic(k)},
+        **{k: float(np.nanmean(v)) for k, v in components.items() if is_diagnostic(k) and not np.isnan(v).all()},
         **{f"reward_errors/{k}": v for k, v in errors.items()},
         **{f"nci/{k}": float(np.mean(v)) for k, v in nci.items()},
         "response_length": float(np.mean(lengths)),

@@ -2,7 +2,8 @@
 
     reward(trajectories: list[Trajectory], **args) -> dict[str, list[float]]
 
-It returns one or more named components, one score per trajectory. A class is instantiated once per reward
+It returns one or more named components, one score per trajectory. Names starting with `metric/` are diagnostics:
+logged each step (mean over the samples that have one; NaN marks a sample without), never added to the reward. A class is instantiated once per reward
 actor with the config's `args` (so models stay resident) and then called with the batch.
 """
 from __future__ import annotations
@@ -43,3 +44,8 @@ def needs_answer_logprobs(names: list[str]) -> bool:
     for module in BUILTIN_MODULES:
         importlib.import_module(module)
     return any(getattr(REWARDS.get(name), "needs_answer_logprobs", False) for name in names)
+
+
+def is_diagnostic(component: str) -> bool:
+    """A `metric/...` component: logged, never part of the reward."""
+    return component.startswith("metric/")

@@ -10,16 +10,19 @@ import ray
 
 from actors.trajectory import Trajectory
 from rewards.nci import group_nci
-from rewards.registry import make_reward
+from rewards.registry import is_diagnostic, make_reward
 
 log = logging.getLogger("medray.rewards")
 
 
 def combine(components_by_spec: list[dict[str, list[float]]], weights: list[float], n: int) -> list[float]:
-    """total_i = sum over reward specs k of weight_k * (sum of spec k's components for sample i)."""
+    """total_i = sum over reward specs k of weight_k * (sum of spec k's components for sample i); diagnostics
+    (`metric/...`) are not components of the reward."""
     total = [0.0] * n
     for comps, w in zip(components_by_spec, weights):
-        for scores in comps.values():
+        for name, scores in comps.items():
+            if is_diagnostic(name):
+                continue
             for i, s in enumerate(scores):
                 total[i] += w * s
     return total
@@ -62,7 +65,8 @@ class RewardActor:
         components = {k: v for comps in by_spec for k, v in comps.items()}
         weights = [s.get("weight", 1.0) for s in self.specs]
         total = combine(by_spec, weights, n)
-        nci = group_nci(components, {k: w for comps, w in zip(by_spec, weights) for k in comps},
+        rewarding = {k: v for k, v in components.items() if not is_diagnostic(k)}
+        nci = group_nci(rewarding, {k: w for comps, w in zip(by_spec, weights) for k in comps if k in rewarding},
                         [t.group for t in trajectories])
         return {"total": total, "components": components, "nci": nci, "errors": errors,
                 "seconds": time.perf_counter() - start, "pid": os.getpid()}

@@ -31,21 +31,27 @@ def rasterise(footprints: list[list[Box]]) -> tuple[np.ndarray, np.ndarray]:
     return areas, masks
 
 
-def consensus_tool_rewards(footprints: list[list[Box]], iou_threshold: float = 0.5) -> list[float]:
-    """MedVR's CCA (002_a8815a664d471596.txt, sec. 3.3 and Algorithm 1) for the correct rollouts of one prompt, each
-    given by its zoom-in boxes: heatmap C = sum_k M_k of their footprint masks; consensus M_hat = 1(C > n / 2) with n
-    the number of correct rollouts; R_tool = 1.0 if IoU(M_k, M_hat) > iou_threshold else 0.5. As in Algorithm 1 no
-    tool reward (0) when n <= 1; a rollout that zoomed nowhere gets 0 too (no tool use to credit)."""
-    if len(footprints) <= 1:
-        return [0.0] * len(footprints)
+def consensus_ious(footprints: list[list[Box]]) -> list[float]:
+    """IoU of each correct rollout's footprint with the consensus of all of them (MedVR's CCA, 002_a8815a664d471596.txt,
+    sec. 3.3 and Algorithm 1): heatmap C = sum_k M_k of the footprint masks, consensus M_hat = 1(C > n / 2) with n
+    the number of correct rollouts."""
     areas, masks = rasterise(footprints)
     consensus = masks.sum(0) > len(footprints) / 2
-    rewards = []
-    for footprint, mask in zip(footprints, masks):
+    ious = []
+    for mask in masks:
         union = float((areas * (mask | consensus)).sum())
-        iou = float((areas * (mask & consensus)).sum()) / union if union > 0 else 0.0
-        rewards.append(0.0 if not footprint else 1.0 if iou > iou_threshold else 0.5)
-    return rewards
+        ious.append(float((areas * (mask & consensus)).sum()) / union if union > 0 else 0.0)
+    return ious
+
+
+def consensus_tool_rewards(footprints: list[list[Box]], iou_threshold: float = 0.5) -> list[float]:
+    """CCA's tool reward for the correct rollouts of one prompt: R_tool = 1.0 if IoU(M_k, M_hat) > iou_threshold
+    else 0.5 (:func:`consensus_ious`). As in Algorithm 1 no tool reward (0) when n <= 1; a rollout that zoomed
+    nowhere gets 0 too (no tool use to credit)."""
+    if len(footprints) <= 1:
+        return [0.0] * len(footprints)
+    return [0.0 if not footprint else 1.0 if iou > iou_threshold else 0.5
+            for footprint, iou in zip(footprints, consensus_ious(footprints))]
 
 
 def zoom_boxes(traj: Trajectory, tool: str = "zoom_in") -> list[Box]:
@@ -65,17 +71,21 @@ def zoom_boxes(traj: Trajectory, tool: str = "zoom_in") -> list[Box]:
 def medvr_tool(trajectories: list[Trajectory], tool: str = "zoom_in",
                iou_threshold: float = 0.5) -> dict[str, list[float]]:
     """MedVR's 1(acc > 0) * R_tool: CCA among the correct rollouts of each prompt (trajectories sharing `group`;
-    the batch must hold whole groups, as the trainer sends them); 0 for incorrect rollouts."""
-    scores = [0.0] * len(trajectories)
+    the batch must hold whole groups, as the trainer sends them); 0 for incorrect rollouts. Also the diagnostic
+    `metric/consensus_iou` (each correct rollout's IoU with its group's consensus; NaN where there is none)."""
+    scores, ious = [0.0] * len(trajectories), [float("nan")] * len(trajectories)
     correct_by_group: dict[int, list[int]] = {}
     for i, traj in enumerate(trajectories):
         if answer_correct(traj):
             correct_by_group.setdefault(traj.group, []).append(i)
     for rows in correct_by_group.values():
-        rewards = consensus_tool_rewards([zoom_boxes(trajectories[i], tool) for i in rows], iou_threshold)
-        for i, reward in zip(rows, rewards):
+        footprints = [zoom_boxes(trajectories[i], tool) for i in rows]
+        for i, reward in zip(rows, consensus_tool_rewards(footprints, iou_threshold)):
             scores[i] = reward
-    return {"tool": scores}
+        if len(rows) > 1:
+            for i, footprint, iou in zip(rows, footprints, consensus_ious(footprints)):
+                ious[i] = iou if footprint else ious[i]
+    return {"tool": scores, "metric/consensus_iou": ious}
 
 
 @register_reward("medvista_tool")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.files import file_lock, sha256_file, with_defaults
+from tasks.files import file_lock, sha256_file, with_defaults, write_jsonl
 from tasks.hpo import load_hpo_snapshot
 from tasks.hpo_tasks import HPOTaskBuilder
 from tasks.knowledge_base import KnowledgeBase
@@ -74,7 +74,7 @@ def build_hpo_world(out_dir: str | Path, seed: int = 0, progress: bool = True, *
     def bar(items: Iterable, desc: str, total: int | None) -> Iterable:
         return tqdm(items, desc=desc, total=total, unit="item", disable=not progress, leave=False)
 
-    counts = {"kb": _write_jsonl(out / FILES["kb"], bar(kb.chunks(args["min_chunk_words"]), "kb chunks", None))}
+    counts = {"kb": write_jsonl(out / FILES["kb"], bar(kb.chunks(args["min_chunk_words"]), "kb chunks", None))}
     for split in ("train", "test"):
         n = args[f"n_{split}"]
         cases = list(bar(builder.diagnosis_cases(split, n), f"diagnosis {split}", n))
@@ -126,15 +126,6 @@ def _is_current(out: Path, seed: int, args: dict) -> bool:
 
 def _paths(out: Path) -> dict[str, Path]:
     return {**{key: out / name for key, name in FILES.items()}, "manifest": out / "manifest.json"}
-
-
-def _write_jsonl(path: Path, rows: Iterable[dict]) -> int:
-    n = 0
-    with open(path, "w", encoding="utf-8", newline="\n") as fh:
-        for row in rows:
-            fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
-            n += 1
-    return n
 
 
 def main(argv: list[str] | None = None) -> None:

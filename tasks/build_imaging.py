@@ -30,8 +30,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tasks.build_hpo import _write_jsonl
-from tasks.files import file_lock, sha256_file, with_defaults
+from tasks.files import file_lock, sha256_file, with_defaults, write_jsonl
 from tasks.hpo import cache_dir, load_hpo_snapshot
 from tasks.imaging import (
     FINDINGS,
@@ -97,7 +96,7 @@ def build_imaging_world(
     for split in SPLITS:
         for question, tasks in builder.tasks(split, results[split]).items():
             counts[f"{question}_{split}"] = write_tasks(out / FILES[f"{question}_{split}"], tasks)
-    counts["cdir_corpus"] = _write_jsonl(out / FILES["cdir_corpus"], builder.corpus_rows(results["corpus"]))
+    counts["cdir_corpus"] = write_jsonl(out / FILES["cdir_corpus"], builder.corpus_rows(results["corpus"]))
     counts["images"] = {split: len(cases) for split, cases in results.items()}
     images = sorted(case.image for cases in results.values() for case in cases)
     manifest = {

@@ -25,6 +25,8 @@ import json
 import sys
 from pathlib import Path
 
+from tasks.files import write_jsonl
+
 
 def phenotypes_of(task: dict) -> list[str]:
     """The phenotype names a diagnosis question lists ("A patient has: a; b; c. Which ...")."""
@@ -138,9 +140,7 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
         demos = [{"task": t, "segments": [answer_segment(t, grammar, "Match the findings to an option.")]}
                  for t in tasks]
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text("".join(json.dumps(d) + "\n" for d in demos))
-    tmp.rename(out)
+    write_jsonl(out, demos)
     return {"tasks": len(tasks), "demonstrations": len(demos), "skipped_not_retrieved": skipped, "out": str(out)}
 
 

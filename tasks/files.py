@@ -56,3 +56,24 @@ def building_dir(out: str | os.PathLike):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def write_jsonl(path: str | os.PathLike, rows) -> int:
+    """Write `rows` (dicts) as JSONL, one compact object a line, through a temporary sibling renamed into place (a
+    reader never sees half a file, and a failed write leaves the old file as it was); return how many were written."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    n = 0
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
+            for row in rows:
+                fh.write(json.dumps(row, ensure_ascii=False, separators=(",", ":")) + "\n")
+                n += 1
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return n

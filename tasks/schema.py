@@ -99,12 +99,8 @@ def resolve_image_paths(task: Task, base_dir: str | Path) -> Task:
 
 def write_tasks(path: str | Path, tasks: Iterable[Task]) -> int:
     """Write tasks as JSONL (one compact object a line, keys in schema order); return how many were written."""
-    n = 0
-    with open(path, "w", encoding="utf-8", newline="\n") as fh:
-        for task in tasks:
-            fh.write(json.dumps(task.model_dump(mode="json"), ensure_ascii=False, separators=(",", ":")) + "\n")
-            n += 1
-    return n
+    from tasks.files import write_jsonl
+    return write_jsonl(path, (task.model_dump(mode="json") for task in tasks))
 
 
 def _describe(error: ValidationError) -> str:

@@ -258,7 +258,14 @@ def test_medvr_tool_groups_correct_rollouts():
         return traj(f"<answer>{answer}</answer>", group=group, turns=[{"tool": "zoom_in", "box": box}], **MCQ)
     batch = [zoom([0, 0, 4, 4]), zoom([1, 0, 5, 4]), zoom([12, 2, 10, 0]), zoom([0, 0, 4, 4], answer="B"),
              zoom([0, 0, 4, 4], group=1), zoom([0, 0, 4, 4], group=1), zoom([0, 0, 4, 4], group=2)]
-    assert medvr_tool(batch)["tool"] == [1.0, 1.0, 0.5, 0.0, 1.0, 1.0, 0.0]
+    scores = medvr_tool(batch)
+    assert scores["tool"] == [1.0, 1.0, 0.5, 0.0, 1.0, 1.0, 0.0]
+    # the logged diagnostic: each correct rollout's IoU with its group's consensus (NaN: wrong, or alone)
+    ious = scores["metric/consensus_iou"]
+    assert ious[:3] == pytest.approx([0.75, 0.75, 0.0]) and ious[4:6] == [1.0, 1.0]
+    assert math.isnan(ious[3]) and math.isnan(ious[6])
+    from rewards.reward_actor import combine
+    assert combine([scores], [1.0], len(batch)) == scores["tool"]  # diagnostics never enter the reward
     bad = traj("", turns=[{"tool": "zoom_in", "box": [1, 1, 1, 5]}, {"tool": "zoom_in", "box": ["a", 1, 2, 3]},
                           {"tool": "other", "box": [0, 0, 1, 1]}, {"tool": "zoom_in", "box": [3, 4, 0, 0]}])
     assert zoom_boxes(bad) == [(0.0, 0.0, 3.0, 4.0)]
