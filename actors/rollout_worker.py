@@ -123,7 +123,8 @@ class RolloutWorker:
         self.runner.top_logprobs = evr.top_logprobs if evr.enabled else 0
         stats = self.runner.run([ep for group in by_group for ep in group], sampling)
         if evr.enabled:
-            stats = self._branch(by_group, group_size - base, evr, sampling, seed, episode, stats)
+            stats = self._branch(by_group, [len(images) for _, images, _ in prompts], group_size - base, evr,
+                                 sampling, seed, episode, stats)
         episodes = [ep for group in by_group for ep in group]
         trajectories = [to_trajectory(ep, self.tokenizer, self.version) for ep in episodes]
         if answer_logprobs:
@@ -133,8 +134,8 @@ class RolloutWorker:
                    "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version}
         return trajectories, summary
 
-    def _branch(self, by_group: list[list[Episode]], budget: int, evr: EVRConfig, sampling: dict, seed: int,
-                episode, stats: dict) -> dict:
+    def _branch(self, by_group: list[list[Episode]], prompt_images: list[int], budget: int, evr: EVRConfig,
+                sampling: dict, seed: int, episode, stats: dict) -> dict:
         """EVR's second phase: per group, forks planned from the base rollouts' tool-argument entropies, then
         independent samples for the budget left; both run together. Groups are extended in place (base rollouts
         first, then forks, then the independent ones)."""
@@ -146,12 +147,10 @@ class RolloutWorker:
             spans = [argument_spans(ep.response_ids, ep.loss_mask, open_id, close_id, self.tokenizer.decode)
                      for ep in group]
             planned = plan_forks([ep.entropies for ep in group], spans, budget, evr, rng)
-            prompt_images = len(group[0].images) - (group[0].response_ids.count(self.vision.start_id)
-                                                     if self.vision else 0)
             for k, fork in enumerate(planned):
-                origin = group[fork.episode]
-                shown = prompt_images + (origin.response_ids[:fork.position].count(self.vision.start_id)
-                                         if self.vision else 0)
+                origin = group[fork.episode]  # it keeps its prompt's images and those observed before the fork
+                shown = prompt_images[i] + (origin.response_ids[:fork.position].count(self.vision.start_id)
+                                            if self.vision else 0)
                 branch = origin.fork(fork.position, derive_seed(seed, group[0].group, "fork", k), shown)
                 branch.branch = {"of": fork.episode, "at": fork.position, "p": round(fork.probability, 4)}
                 group.append(branch)
