@@ -329,22 +329,24 @@ class LearnerGroup:
         helpers = [r.help_gather.remote() for r in self.ranks[1:]]
         if self.transport == "object_store":
             manifest, send_s = ray.get(self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb))
-            for attempt in range(3):  # a worker Ray restarts mid-sync reads the same buckets once it is back
+            for retries in range(3):  # a worker Ray restarts mid-sync reads the same buckets once it is back
                 try:
                     load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
                     break
                 except ACTOR_LOST:
-                    if attempt == 2:
+                    if retries == 2:
                         raise
                     for w in self.workers:
                         wait_until_ready(w)
             del manifest  # the objects are freed as soon as no one holds the manifest
         else:
+            retries = 0
             send = self.ranks[0].broadcast_weights.remote()
             load_s = ray.get([w.receive_broadcast.remote(version, self.meta) for w in self.workers])
             send_s = ray.get(send)
         ray.get(helpers)
-        return {"sync_s": time.perf_counter() - start, "sync_send_s": send_s, "sync_load_s": max(load_s)}
+        return {"sync_s": time.perf_counter() - start, "sync_send_s": send_s, "sync_load_s": max(load_s),
+                "sync_retries": retries}
 
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         return ray.get([r.sequence_logprobs.remote(sequences, images) for r in self.ranks])[0]

@@ -263,6 +263,7 @@ class Trainer:
             train = self.learners.train(rollouts.trajectories, advantages.tolist(), cfg)
             self.version += 1
             sync = self.learners.sync(self.version)
+            self.restarts["rollout"] += sync["sync_retries"]  # a worker lost between steps, back for the sync
 
             if not overlap and next_step < end:
                 pending = self.start_rollouts(next_step)
@@ -292,6 +293,7 @@ class Trainer:
             train = self.learners.train([ray.put(batch)], None, self.stage_cfg, objective="sft")
             self.version += 1
             sync = self.learners.sync(self.version)
+            self.restarts["rollout"] += sync["sync_retries"]
             self.step += 1
             tokens = max(train["mask_sum"], 1.0)
             record = {"step": self.step, "sft_loss": train["loss"], "sft_tokens": train["mask_sum"],
