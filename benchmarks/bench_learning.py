@@ -151,7 +151,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rows = retrieval_suite(args) if args.suite == "retrieval" else armed_suite(args)
-    report(f"learning_{args.suite}", [{**r, "command": " ".join(sys.argv[1:])} for r in rows])
+    rows = [{**r, "command": " ".join(sys.argv[1:])} for r in rows]
+    previous = ROOT / "benchmarks" / "results" / f"learning_{args.suite}.json"
+    if previous.exists():  # arms run earlier (e.g. one at a time) keep their rows unless run again
+        done = {r["arm"] for r in rows}
+        rows = [r for r in json.loads(previous.read_text())["rows"] if r["arm"] not in done] + rows
+    report(f"learning_{args.suite}", rows)
 
 
 if __name__ == "__main__":
