@@ -21,7 +21,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ import numpy as np
 import ray
 
 from actors.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index, read_manifest
-from tasks.files import file_lock
+from tasks.files import building_dir, file_lock
 
 IMAGE_INDEX_FORMAT = 1
 MANIFEST = "manifest.json"
@@ -108,10 +107,6 @@ def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | No
     started = time.perf_counter()
     vectors = embed_corpus_images(model, rows, batch_size, progress)
     seconds = time.perf_counter() - started
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir(exist_ok=True)
     manifest = {"format": IMAGE_INDEX_FORMAT, "kind": "image",
                 "encoder": {"identity": model.identity, "path": None if clip_path is None else
                             str(Path(clip_path).resolve()), "dim": int(vectors.shape[1])},
@@ -119,15 +114,10 @@ def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | No
                 "encoding": {"seconds": round(seconds, 2), "images_per_s": round(len(rows) / seconds, 2),
                              "batch_size": batch_size, "device": model.device},
                 "versions": {"faiss": faiss.__version__}}
-    try:
+    with building_dir(out_dir, replace=True) as tmp:
         DocStore.write(tmp, rows)
         faiss.write_index(build_dense_index(vectors, IndexConfig(kind="flat")), str(tmp / "images.faiss"))
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return manifest
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import mmap
 import os
-import shutil
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -27,7 +26,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from tasks.files import sha256_file
+from tasks.files import building_dir, sha256_file
 
 #: Bump when the directory layout or manifest fields change; older indexes are then refused.
 INDEX_FORMAT = 1
@@ -193,14 +192,9 @@ def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndar
                          f"{None if vectors is None else len(vectors)} vectors)")
     if not 1 <= shards <= len(chunks):
         raise ValueError(f"shards must be between 1 and the number of chunks ({len(chunks)}), got {shards}")
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     common = {"format": INDEX_FORMAT, "encoder": encoder_identity, "corpus": {**corpus, "chunks": len(chunks)},
               "index": config.model_dump()}
-    try:
+    with building_dir(out_dir, replace=True) as tmp:
         if shards == 1:
             manifest = _write_shard(tmp, chunks, vectors, {**common, **(extra or {})}, config, progress)
         else:
@@ -213,11 +207,6 @@ def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndar
                              {**common, "shard": {"index": i, "count": shards, "start": int(start)}}, config, progress)
             manifest = {**common, "shards": names, **(extra or {})}
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return manifest
 
 

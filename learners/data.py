@@ -72,33 +72,22 @@ class PromptSampler:
 def read_demonstrations(path: str | Path) -> list[dict]:
     """SFT demonstrations, one JSON object per line: {"task": {..., "messages": [...]}, "segments": [{"role":
     "policy" | "environment", "text": str}, ...]}. A malformed line raises naming file, line and field."""
-    import json
-
-    from tasks.schema import TaskFormatError
+    from tasks.schema import TaskFormatError, jsonl_objects
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"sft.data: {path} does not exist (python -m tasks.expert writes demonstrations)")
     demos = []
-    with open(path, encoding="utf-8", errors="strict") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise TaskFormatError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            problem = _demonstration_problem(row)
-            if problem:
-                raise TaskFormatError(f"{path}:{lineno}: {problem}")
-            demos.append(row)
+    for where, _, row in jsonl_objects(path):
+        problem = _demonstration_problem(row)
+        if problem:
+            raise TaskFormatError(f"{where}: {problem}")
+        demos.append(row)
     if not demos:
         raise TaskFormatError(f"{path}: no demonstrations")
     return demos
 
 
-def _demonstration_problem(row) -> str | None:
-    if not isinstance(row, dict):
-        return "a demonstration must be a JSON object"
+def _demonstration_problem(row: dict) -> str | None:
     task = row.get("task")
     if not isinstance(task, dict) or not isinstance(task.get("messages"), list) or not task["messages"]:
         return "field 'task.messages': a non-empty list of chat messages is required"

@@ -36,19 +36,21 @@ def with_defaults(sizes: dict, defaults: dict, what: str) -> dict:
 
 
 @contextmanager
-def building_dir(out: str | os.PathLike):
-    """Yield a fresh temporary sibling of `out` to build into; on success it becomes `out` by an atomic rename (if
-    another process finished first, theirs is kept: builds are deterministic), on failure it is removed. Concurrent
-    or interrupted builds never leave a half-written directory at `out`."""
+def building_dir(out: str | os.PathLike, replace: bool = False):
+    """Yield a fresh temporary sibling of `out` to build into; on success it becomes `out` by a rename, on failure it
+    is removed, so concurrent or interrupted builds never leave a half-written directory at `out`. An existing `out`
+    is replaced when `replace`; otherwise (a deterministic build another process finished first) it is kept."""
     import shutil
     import tempfile
     from pathlib import Path
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         yield tmp
+        if replace:
+            shutil.rmtree(out, ignore_errors=True)
         try:
             tmp.rename(out)
         except OSError:  # another process finished first

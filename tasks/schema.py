@@ -8,7 +8,7 @@ the line and the field, never a silently skipped row.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,11 +59,9 @@ class TaskFormatError(ValueError):
     """A task file line that is not a valid :class:`Task`; the message names file, line and field."""
 
 
-def read_tasks(path: str | Path) -> list[Task]:
-    """Read a JSONL task file (blank lines allowed); raise :class:`TaskFormatError` on the first malformed line."""
-    path = Path(path)
-    tasks: list[Task] = []
-    seen: dict[str, int] = {}
+def jsonl_objects(path: str | Path) -> Iterator[tuple[str, int, dict]]:
+    """(where, line number, object) for each non-blank line of a JSONL file, `where` being "<path>:<line>"; a line
+    that is not UTF-8, not JSON or not an object raises :class:`TaskFormatError` naming it."""
     with open(path, "rb") as fh:
         for lineno, raw in enumerate(fh, start=1):
             where = f"{path}:{lineno}"
@@ -79,14 +77,22 @@ def read_tasks(path: str | Path) -> list[Task]:
                 raise TaskFormatError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(data, dict):
                 raise TaskFormatError(f"{where}: expected a JSON object, got {type(data).__name__}")
-            try:
-                task = Task.model_validate(data)
-            except ValidationError as e:
-                raise TaskFormatError(f"{where}: {_describe(e)}") from None
-            if task.id in seen:
-                raise TaskFormatError(f"{where}: field 'id': duplicate id {task.id!r} (first on line {seen[task.id]})")
-            seen[task.id] = lineno
-            tasks.append(task)
+            yield where, lineno, data
+
+
+def read_tasks(path: str | Path) -> list[Task]:
+    """Read a JSONL task file (blank lines allowed); raise :class:`TaskFormatError` on the first malformed line."""
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for where, lineno, data in jsonl_objects(Path(path)):
+        try:
+            task = Task.model_validate(data)
+        except ValidationError as e:
+            raise TaskFormatError(f"{where}: {_describe(e)}") from None
+        if task.id in seen:
+            raise TaskFormatError(f"{where}: field 'id': duplicate id {task.id!r} (first on line {seen[task.id]})")
+        seen[task.id] = lineno
+        tasks.append(task)
     return tasks
 
 

@@ -94,7 +94,7 @@ def test_malformed_demonstrations_name_file_line_and_field(tmp_path):
     with pytest.raises(TaskFormatError, match=r"demos.jsonl:2: field 'segments.0'"):
         read_demonstrations(path)
     path.write_text(good + "\n{oops\n")
-    with pytest.raises(TaskFormatError, match=r"demos.jsonl:2: not valid JSON"):
+    with pytest.raises(TaskFormatError, match=r"demos.jsonl:2: invalid JSON"):
         read_demonstrations(path)
     path.write_text(good + "\n")
     assert len(read_demonstrations(path)) == 1
