@@ -17,12 +17,26 @@ def default_index_dir(kb: str, kind: str, shards: int) -> Path:
     return cache_dir() / "indexes" / f"{Path(kb).stem}-{kind}-{shards}shard-{tag}"
 
 
+def policy_acts(cfg) -> bool:
+    """Whether some stage's grammar lets the policy act (an action tag): only then is there an environment."""
+    return any(cfg.for_stage(i).rollout.grammar.action_tag for i in range(len(cfg.stage_plan())))
+
+
+def ensure_run_index(cfg) -> Path:
+    """The run's retrieval index directory (`retrieval.index_dir`, else the cache's), built first unless current."""
+    from actors.build_index import ensure_index
+
+    r = cfg.retrieval
+    index_dir = Path(r.index_dir) if r.index_dir else default_index_dir(r.kb, r.index.kind, r.shards)
+    ensure_index(r.kb, index_dir, r.encoder, r.index, shards=r.shards, progress=True)
+    return index_dir
+
+
 def environment_roles(cfg) -> tuple[str, ...]:
-    """The placement roles the run's environment needs: none unless some stage's grammar lets the policy act and
-    a retriever serves it (directly, or as the tool Gym's retrieve_knowledge). Tool actors take the resources their
-    own section gives them (`tools.tools.<name>`), outside these placement groups."""
-    acts = any(cfg.for_stage(i).rollout.grammar.action_tag for i in range(len(cfg.stage_plan())))
-    return ("retriever",) if acts and cfg.retrieval is not None else ()
+    """The placement roles the run's environment needs: none unless the policy acts and a retriever serves it
+    (directly, or as the tool Gym's retrieve_knowledge). Tool actors take the resources their own section gives
+    them (`tools.tools.<name>`), outside these placement groups."""
+    return ("retriever",) if policy_acts(cfg) and cfg.retrieval is not None else ()
 
 
 def service_roles(cfg) -> tuple[str, ...]:
@@ -48,18 +62,13 @@ def start_environment(cfg, placement: Placement) -> Environment | None:
     """Build the index if needed and start the Retriever actors on their bundles, and the tool actors when the run
     has a tools section (the Gym is then the environment, its retrieve_knowledge tool searching the retriever);
     None for a single-turn grammar."""
-    acts = any(cfg.for_stage(i).rollout.grammar.action_tag for i in range(len(cfg.stage_plan())))
-    if not acts:
+    if not policy_acts(cfg):
         return None
     retriever = None
     if "retriever" in environment_roles(cfg):
-        from actors.build_index import ensure_index
         from actors.retriever import ShardedRetriever
-
-        r = cfg.retrieval
-        index_dir = Path(r.index_dir) if r.index_dir else default_index_dir(r.kb, r.index.kind, r.shards)
-        ensure_index(r.kb, index_dir, r.encoder, r.index, shards=r.shards, progress=True)
-        retriever = ShardedRetriever(index_dir, threads=cfg.cluster.retriever.threads, config=r.search,
+        retriever = ShardedRetriever(ensure_run_index(cfg), threads=cfg.cluster.retriever.threads,
+                                     config=cfg.retrieval.search,
                                      actor_options=lambda i: placement.options("retriever", i, f"Retriever-{i}"))
     if cfg.tools is not None:
         from actors.gym import make_tool_environment

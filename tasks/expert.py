@@ -119,11 +119,8 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
     tasks = load_tasks(data)[:limit]
     index_dir = None
     if grammar.action_tag and cfg.retrieval is not None:
-        from actors.build_index import ensure_index
-        from cluster.environments import default_index_dir
-        r = cfg.retrieval
-        index_dir = Path(r.index_dir) if r.index_dir else default_index_dir(r.kb, r.index.kind, r.shards)
-        ensure_index(r.kb, index_dir, r.encoder, r.index, shards=r.shards, progress=progress)
+        from cluster.environments import ensure_run_index
+        index_dir = ensure_run_index(cfg)
     demos, skipped = [], 0
     if grammar.action_tag and cfg.tools is not None:
         demos = tool_demonstrations(cfg, tasks, tokenizer, index_dir, out.with_name(out.name + ".images"), progress)
