@@ -284,8 +284,33 @@ class LearnerWorker:
             dist.destroy_process_group()
 
 
+class LearnerRankFailed(RuntimeError):
+    """A learner rank raised or died; the group is stopped and the run must resume from its last checkpoint."""
+
+
+def gather_ranks(calls: list, ranks: list, what: str) -> list:
+    """`ray.get` of one call per rank that fails fast. A rank that raises or dies leaves the others blocked in a
+    collective (allreduce, gather) until gloo's or NCCL's timeout, 30 minutes; a plain `ray.get` in rank order
+    would wait on a blocked rank first. So the first failure kills every rank and raises, naming the rank."""
+    rank_of = {ref: i for i, ref in enumerate(calls)}
+    pending = list(calls)
+    while pending:
+        (done,), pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done)
+        except Exception as err:
+            for r in ranks:
+                ray.kill(r, no_restart=True)
+            raise LearnerRankFailed(
+                f"LearnerWorker-{rank_of[done]} failed during {what}: {type(err).__name__}: {err}\n"
+                "The other learner ranks were waiting for it in a collective, so the learner group was stopped. "
+                "Checkpoints already written are intact: rerun with resume=true.") from err
+    return ray.get(calls)
+
+
 class LearnerGroup:
-    """The driver's handle on the K DeepSpeed ranks: fans calls out and combines their answers."""
+    """The driver's handle on the K DeepSpeed ranks: fans calls out and combines their answers. Every call that
+    all ranks join goes through `gather_ranks`, so one failing rank stops the run instead of hanging it."""
 
     def __init__(self, cfg, placement, model_path: str, resume_from=None):
         res = cfg.cluster.learner
@@ -296,19 +321,24 @@ class LearnerGroup:
         stages = [(stage, cfg.for_stage(i).algorithm) for i, stage in enumerate(cfg.stage_plan())]
         total_updates = sum(stage.steps * (alg.updates_per_batch if stage.kind == "grpo" else 1) for stage, alg in stages)
         with_reference = any(stage.kind == "grpo" and alg.kl_beta > 0 for stage, alg in stages)
-        ray.get([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference) for r in self.ranks])
+        self._all([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference) for r in self.ranks],
+                  "setup")
         if resume_from is not None:
-            ray.get([r.load.remote(str(resume_from)) for r in self.ranks])
+            self._all([r.load.remote(str(resume_from)) for r in self.ranks], "resume")
 
     def train(self, trajectory_refs: list, advantages: list[float] | None, stage_cfg, objective: str = "grpo") -> dict:
         """One batch on every rank: rollouts with their advantages (grpo) or demonstrations (sft)."""
-        per_rank = ray.get([r.train.remote(trajectory_refs, advantages, stage_cfg.algorithm.model_dump(), objective,
-                                           stage_cfg.rollout.temperature, stage_cfg.learner.lr) for r in self.ranks])
+        per_rank = self._all([r.train.remote(trajectory_refs, advantages, stage_cfg.algorithm.model_dump(), objective,
+                                             stage_cfg.rollout.temperature, stage_cfg.learner.lr) for r in self.ranks],
+                             f"a {objective} step")
         summed = {k: sum(p[k] for p in per_rank) for k in ("loss", "mask_sum", "clip_sum", "kl_sum", "entropy_sum")}
         # Each rank's loss is its share of the batch loss; per update they add up to it.
         summed["loss"] /= per_rank[0]["updates"]
         return {**summed, "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
                 "seconds": max(p["seconds"] for p in per_rank)}
+
+    def _all(self, calls: list, what: str) -> list:
+        return gather_ranks(calls, self.ranks, what)
 
     def connect(self, workers: list) -> None:
         """Set up the weight transport to `workers` (`cluster.weight_sync`; auto: collective with GPUs)."""
@@ -328,7 +358,8 @@ class LearnerGroup:
         start = time.perf_counter()
         helpers = [r.help_gather.remote() for r in self.ranks[1:]]
         if self.transport == "object_store":
-            manifest, send_s = ray.get(self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb))
+            publish = self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb)
+            (manifest, send_s), *_ = self._all([publish, *helpers], "weight sync")
             for retries in range(3):  # a worker Ray restarts mid-sync reads the same buckets once it is back
                 try:
                     load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
@@ -338,23 +369,25 @@ class LearnerGroup:
                         raise
                     for w in self.workers:
                         wait_until_ready(w)
-            del manifest  # the objects are freed as soon as no one holds the manifest
+            del manifest, publish  # the objects are freed as soon as no one holds the manifest
         else:
             retries = 0
             send = self.ranks[0].broadcast_weights.remote()
-            load_s = ray.get([w.receive_broadcast.remote(version, self.meta) for w in self.workers])
-            send_s = ray.get(send)
-        ray.get(helpers)
+            receives = [w.receive_broadcast.remote(version, self.meta) for w in self.workers]
+            send_s = self._all([send, *helpers], "weight sync")[0]
+            load_s = ray.get(receives)
         return {"sync_s": time.perf_counter() - start, "sync_send_s": send_s, "sync_load_s": max(load_s),
                 "sync_retries": retries}
 
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
-        return ray.get([r.sequence_logprobs.remote(sequences, images) for r in self.ranks])[0]
+        return self._all([r.sequence_logprobs.remote(sequences, images) for r in self.ranks], "a logprob check")[0]
 
     def save(self, checkpoint_dir) -> None:
-        ray.get([r.save.remote(str(checkpoint_dir)) for r in self.ranks])
+        self._all([r.save.remote(str(checkpoint_dir)) for r in self.ranks], "checkpoint save")
 
     def shutdown(self) -> None:
-        ray.get([r.shutdown.remote() for r in self.ranks])
+        """Leave the process groups where the ranks are alive (ray.wait: a stopped group's calls fail at once)."""
+        calls = [r.shutdown.remote() for r in self.ranks]
+        ray.wait(calls, num_returns=len(calls), timeout=60)
         for r in self.ranks:
             ray.kill(r)

@@ -13,14 +13,21 @@ BAR_KEYS = [("reward_mean", "reward"), ("accuracy", "acc"), ("response_length", 
             ("generate_s", "gen_s"), ("train_s", "train_s"), ("version_lag", "lag")]
 
 
+def _step(line: str) -> float:
+    """A metrics line's step; a blank line or one torn by a killed driver counts as after every checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLogger:
     def __init__(self, out: Path, cfg: LoggingConfig, resume_step: int | None = None):
         self.path = out / "metrics.jsonl"
         self.cfg = cfg
         if resume_step is not None and self.path.exists():
             # Steps after the checkpoint are trained again; keep the log one line per step.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [line for line in self.path.read_text().splitlines() if _step(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.file = open(self.path, "a", buffering=1)
         self.tb = None

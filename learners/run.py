@@ -39,12 +39,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
+    from learners.learner_group import LearnerRankFailed
     from learners.trainer import Trainer
     try:
         history = Trainer(cfg).fit()
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except LearnerRankFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if history:
         rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
         summary = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; " if rewards else ""

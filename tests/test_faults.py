@@ -51,3 +51,28 @@ def test_killed_rollout_reward_and_retriever_actors_do_not_stop_the_run(ray_sess
     assert all(h["version_lag"] == 0 for h in history)
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2, 3, 4]
+
+
+def test_a_lost_learner_rank_stops_the_group_with_a_clear_error_instead_of_hanging(ray_session, tiny_model_path):
+    """Rank 1 dies (OOM-killed, say) while rank 0 trains: rank 0 would wait in DeepSpeed's allreduce for the
+    collective timeout (30 min). The group fails within seconds instead, naming the rank and how to resume."""
+    import ray
+
+    from actors.trajectory import Trajectory
+    from cluster.placement import place
+    from learners.learner_group import LearnerGroup, LearnerRankFailed
+
+    cfg = load_config("configs/quickstart.yaml", ["output_dir=unused"])
+    placement = place(cfg.cluster, roles=("learner",))
+    group = LearnerGroup(cfg, placement, str(tiny_model_path))
+    trajs = [Trajectory(task={}, group=0, prompt_ids=[1, 2, 3], response_ids=[4, 5, 6], logprobs=[-1.0] * 3,
+                        loss_mask=[1] * 3, text="", finish_reason="stop", weight_version=0) for _ in range(4)]
+    try:
+        ray.kill(group.ranks[1])
+        start = time.monotonic()
+        with pytest.raises(LearnerRankFailed, match=r"LearnerWorker-1 failed during a grpo step(.|\n)*resume=true"):
+            group.train([ray.put(trajs)], [1.0, -1.0, 1.0, -1.0], cfg)
+        assert time.monotonic() - start < 120
+    finally:
+        group.shutdown()
+        placement.remove()

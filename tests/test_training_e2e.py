@@ -152,3 +152,37 @@ def test_stages_carry_weights_and_resume_mid_stage(ray_session, tiny_model_path,
     assert again[3]["stage_name"] == "rl"
     for key in ("reward_mean", "response_length", "loss", "grad_norm"):
         assert again[3][key] == pytest.approx(metrics[3][key], rel=1e-5, abs=1e-6), key
+
+
+def test_a_killed_driver_resumes_as_if_uninterrupted(three_steps, tmp_path):
+    """The driver process itself (learners/run.py) is SIGKILLed during step 3, right after step 2's checkpoint. Ray
+    frees its actors and reservations; resumed, the run has the uninterrupted run's steps, data order and metrics."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import ray
+
+    _, metrics = three_steps
+    out = tmp_path / "killed"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    driver = subprocess.Popen([sys.executable, "learners/run.py", "--config", "configs/quickstart.yaml", *SMALL,
+                               f"output_dir={out}"], cwd=root, env=env)
+    deadline = time.monotonic() + 900
+    while not (out / "checkpoints" / "step_2").exists():
+        assert driver.poll() is None, "the driver ended before it could be killed"
+        assert time.monotonic() < deadline, "the driver never reached step 2"
+        time.sleep(0.1)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    assert not (out / "checkpoints" / "step_3").exists(), "the kill should land before step 3 is committed"
+
+    again = run(out, "resume=true")
+    assert [m["step"] for m in again] == [1, 2, 3]
+    for before, after in zip(metrics, again):
+        for key in ("reward_mean", "response_length", "loss", "grad_norm", "entropy", "batch_weight_version"):
+            assert after[key] == pytest.approx(before[key], rel=1e-5, abs=1e-6), (before["step"], key)
