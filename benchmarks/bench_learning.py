@@ -1,7 +1,10 @@
 """Proof, at tiny scale, that the recipes learn what the papers report (issue 7), on this machine.
 
-    python benchmarks/bench_learning.py --suite retrieval [--sft-steps 60 --rl-steps 40 --eval-limit 200]
+    python benchmarks/bench_learning.py --suite retrieval [--sft-steps 60 --rl-steps 40 --eval-limit 200] [key=value ...]
     python benchmarks/bench_learning.py --suite armed [--rl-steps 40]
+
+key=value overrides (e.g. a larger tiny model: model.tiny.hidden_size=256) apply to every arm, its demonstrations and
+its evaluation; --name keeps each setting's runs apart (outputs/bench_learning/<name>/).
 
 retrieval: the HPO diagnosis task, evaluated on held-out diseases (hpo:mcq_test: no test disease occurs in training,
 so only retrieval can answer), four arms at equal optimizer steps (S cold-start SFT steps + R RL steps), tiny Qwen2:
@@ -28,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import report  # noqa: E402
 
 PYTHON = sys.executable
-RUNS = ROOT / "outputs" / "bench_learning"
+RUNS = ROOT / "outputs" / "bench_learning"  # /<--name>/: one folder per setting
 SINGLE_TURN = ["rollout.grammar.action_tag=null", "retrieval=null"]
 # A query lists a case's phenotypes (~40-60 tokens): room for it in one generation turn, for training and evaluation.
 LENGTHS = ["rollout.max_new_tokens=96", "rollout.grammar.max_response_tokens=320"]
@@ -37,19 +40,18 @@ RWR = ("rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: a
        "{name: query_semantic_text, weight: 0.4}, {name: confidence_gain, weight: 1.0}]")
 
 
-def demonstrations(kind: str, limit: int | None) -> Path:
+def demonstrations(runs: Path, kind: str, args) -> Path:
     """Expert demonstrations for the training split: with retrieval (the quickstart's grammar) or direct."""
     from learners.config import load_config
     from tasks.expert import write_demonstrations
-    out = RUNS / f"demos_{kind}.jsonl"
+    out = runs / f"demos_{kind}_{args.answer_with}.jsonl"
     if not out.exists():
-        cfg = load_config(ROOT / "configs/quickstart.yaml", SINGLE_TURN if kind == "direct" else [])
-        print(write_demonstrations(cfg, "hpo:mcq_train", out, limit))
+        cfg = load_config(ROOT / "configs/quickstart.yaml", args.overrides + (SINGLE_TURN if kind == "direct" else []))
+        print(write_demonstrations(cfg, "hpo:mcq_train", out, args.demo_limit, answer_with=args.answer_with))
     return out
 
 
-def train(name: str, overrides: list[str]) -> tuple[Path, float, list[dict]]:
-    out = RUNS / name
+def train(out: Path, overrides: list[str]) -> tuple[Path, float, list[dict]]:
     start = time.perf_counter()
     if not (out / "checkpoints" / "latest").exists():
         subprocess.run([PYTHON, "learners/run.py", "--config", "configs/quickstart.yaml", f"output_dir={out}",
@@ -69,8 +71,8 @@ def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
 
 
 def retrieval_suite(args) -> list[dict]:
-    s, r = args.sft_steps, args.rl_steps
-    retrieval_demos, direct_demos = demonstrations("retrieval", args.demo_limit), demonstrations("direct", args.demo_limit)
+    s, r, runs = args.sft_steps, args.rl_steps, RUNS / args.name
+    retrieval_demos, direct_demos = demonstrations(runs, "retrieval", args), demonstrations(runs, "direct", args)
     sft = "{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: 32}}"
     arms = {
         "sft_only": ([f"total_steps={s + r}", f"stages=[{sft % (s + r, retrieval_demos)}]"], []),
@@ -84,8 +86,8 @@ def retrieval_suite(args) -> list[dict]:
     rows = []
     for name in args.arms or arms:
         train_overrides, eval_overrides = arms[name]
-        checkpoint, seconds, metrics = train(name, [f"seed={args.seed}", *train_overrides])
-        result = evaluate(checkpoint, eval_overrides, args.eval_limit)
+        checkpoint, seconds, metrics = train(runs / name, [f"seed={args.seed}", *args.overrides, *train_overrides])
+        result = evaluate(checkpoint, [*args.overrides, *eval_overrides], args.eval_limit)
         acc = result["accuracy"]
         rl = [m for m in metrics if "reward_mean" in m]
         rows.append({"arm": name, "test_accuracy": round(acc["mean"], 4),
@@ -107,7 +109,7 @@ def armed_suite(args) -> list[dict]:
         rewards = ("rewards.components=[{name: armed_textual, weight: 0.4}, {name: armed_semantic, weight: 0.4, "
                    "args: {adaptive: %s}}, {name: tag_format, weight: 0.2, args: {tags: [answer]}}]"
                    % str(adaptive).lower())
-        _, seconds, metrics = train(name, [f"seed={args.seed}", *base, rewards])
+        _, seconds, metrics = train(RUNS / args.name / name, [f"seed={args.seed}", *args.overrides, *base, rewards])
         nci = [m.get("nci/armed_semantic", 0.0) for m in metrics]
         curves[name] = nci
         tail = nci[len(nci) // 2:]
@@ -149,13 +151,18 @@ def main() -> None:
     parser.add_argument("--eval-limit", type=int, default=200)
     parser.add_argument("--demo-limit", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--answer-with", choices=["letter", "text"], default="text",
+                        help="how the expert answers: the option letter, or the option text (copied from the hit)")
+    parser.add_argument("--name", default="default", help="runs go to outputs/bench_learning/<name>/")
+    parser.add_argument("overrides", nargs="*", help="key=value for every arm (e.g. model.tiny.hidden_size=256)")
     args = parser.parse_args()
     rows = retrieval_suite(args) if args.suite == "retrieval" else armed_suite(args)
-    rows = [{**r, "command": " ".join(sys.argv[1:])} for r in rows]
+    rows = [{**r, "setting": args.name, "command": " ".join(sys.argv[1:])} for r in rows]
     previous = ROOT / "benchmarks" / "results" / f"learning_{args.suite}.json"
     if previous.exists():  # arms run earlier (e.g. one at a time) keep their rows unless run again
-        done = {r["arm"] for r in rows}
-        rows = [r for r in json.loads(previous.read_text())["rows"] if r["arm"] not in done] + rows
+        done = {(r["setting"], r["arm"]) for r in rows}
+        rows = [r for r in json.loads(previous.read_text())["rows"]
+                if (r.get("setting", "default"), r["arm"]) not in done] + rows
     report(f"learning_{args.suite}", rows)
 
 

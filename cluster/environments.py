@@ -39,6 +39,15 @@ def environment_roles(cfg) -> tuple[str, ...]:
     return ("retriever",) if policy_acts(cfg) and cfg.retrieval is not None else ()
 
 
+def tool_demand(cfg) -> dict[str, dict[str, float]]:
+    """What the tool actors take, per `tools.tools.<name>` field, for `place(..., others=)`: they run beside the
+    placement groups, so without this a layout could pass the check and then wait forever for their CPUs."""
+    if cfg.tools is None or not policy_acts(cfg):
+        return {}
+    return {f"tools.tools.{name}": {"num": spec.replicas, "CPU": spec.num_cpus, "GPU": spec.num_gpus}
+            for name, spec in cfg.tools.tools.items()}
+
+
 def service_roles(cfg) -> tuple[str, ...]:
     """Every placement role beyond the trainer's own: the environment's, and the judge's when configured."""
     return environment_roles(cfg) + (("judge",) if cfg.judge is not None else ())

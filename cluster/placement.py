@@ -34,21 +34,26 @@ class Placement:
             ray.util.remove_placement_group(group)
 
 
-def check_fits(cfg: ClusterConfig, available: dict, roles: tuple[str, ...] = ROLES) -> None:
-    """Fail early, naming the fields, when the layout asks for more than the cluster has."""
+def check_fits(cfg: ClusterConfig, available: dict, roles: tuple[str, ...] = ROLES,
+               others: dict[str, dict[str, float]] | None = None) -> None:
+    """Fail early, naming the fields, when the layout asks for more than the cluster has. `others`: actors outside
+    the placement groups (tool actors), {config field: {"num": actors, "CPU": each, "GPU": each}}, counted against
+    the same totals."""
     for key in ("CPU", "GPU"):
         field = f"num_{key.lower()}s"
-        per_actor = {r: getattr(getattr(cfg, r), field) for r in roles}
-        need = {r: getattr(cfg, r).num * per_actor[r] for r in roles}
-        if sum(need.values()) > available.get(key, 0) + 1e-9:
-            detail = ", ".join(f"cluster.{r}: {getattr(cfg, r).num} x {per_actor[r]:g}" for r, v in need.items() if v)
-            raise PlacementError(f"the layout needs {sum(need.values()):g} {key} ({detail}) but the cluster has "
-                                 f"{available.get(key, 0):g}; lower cluster.<role>.num_{key.lower()}s or .num")
+        need = {f"cluster.{r}": (getattr(cfg, r).num, getattr(getattr(cfg, r), field)) for r in roles}
+        need.update({name: (demand["num"], demand.get(key, 0.0)) for name, demand in (others or {}).items()})
+        total = sum(n * each for n, each in need.values())
+        if total > available.get(key, 0) + 1e-9:
+            detail = ", ".join(f"{name}: {n} x {each:g}" for name, (n, each) in need.items() if n * each)
+            raise PlacementError(f"the layout needs {total:g} {key} ({detail}) but the cluster has "
+                                 f"{available.get(key, 0):g}; lower the {field} or the actor counts named")
 
 
-def place(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES, timeout_s: float = 120.0) -> Placement:
-    """Reserve every role's bundles up front, so a run never starts half-placed."""
-    check_fits(cfg, ray.cluster_resources(), roles)
+def place(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES, timeout_s: float = 120.0,
+          others: dict[str, dict[str, float]] | None = None) -> Placement:
+    """Reserve every role's bundles up front, so a run never starts half-placed; `others` as in `check_fits`."""
+    check_fits(cfg, ray.cluster_resources(), roles, others)
     groups, resources = {}, {}
     for role in roles:
         res: ActorResources = getattr(cfg, role)

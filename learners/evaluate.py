@@ -73,6 +73,13 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
     return metrics
 
 
+def write_samples(path: Path, trajectories: list) -> None:
+    from rewards.builtin import answer_correct, extract_answer
+    from tasks.files import write_jsonl
+    write_jsonl(path, [{"id": t.task.get("id"), "gold": t.task.get("answer"), "answer": extract_answer(t.text),
+                        "correct": answer_correct(t), "text": t.text} for t in trajectories])
+
+
 def markdown(metrics: dict, title: str) -> str:
     rows = ["| metric | value | 95% interval |", "|---|---|---|"]
     for name, value in metrics.items():
@@ -102,15 +109,16 @@ def cdir_markdown(summary: dict) -> str:
 
 
 def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int = 64, cdir: bool = False,
-             image_index: str | None = None, cdir_threshold: float = 0.8) -> dict:
+             image_index: str | None = None, cdir_threshold: float = 0.8, samples: Path | None = None) -> dict:
     """Greedy episodes for every task of `data` on rollout workers loaded from `checkpoint`, then their metrics;
-    with `cdir`, Med-RwR's image re-retrieval over `image_index` afterwards, its summary under "cdir"."""
+    with `cdir`, Med-RwR's image re-retrieval over `image_index` afterwards, its summary under "cdir". `samples`:
+    a JSONL to write each episode to (task id, gold, the response text, its answer and whether it is correct)."""
     import ray
     from tqdm import tqdm
 
     from actors.environment import ImageTokens
     from actors.rollout_worker import RolloutWorker
-    from cluster.environments import environment_roles, start_environment
+    from cluster.environments import environment_roles, start_environment, tool_demand
     from cluster.placement import place
     from cluster.ray_session import start_or_join
     from learners.data import load_tasks
@@ -119,7 +127,7 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
     tasks = load_tasks(data)[:limit]
     text_only = ImageTokens.for_model(checkpoint) is None
     shown = [{**t, "images": []} if text_only else t for t in tasks]  # a text-only policy cannot take images
-    placement = place(cfg.cluster, roles=("rollout",) + environment_roles(cfg))
+    placement = place(cfg.cluster, roles=("rollout",) + environment_roles(cfg), others=tool_demand(cfg))
     environment = start_environment(cfg, placement)
     workers = [RolloutWorker.options(**placement.options("rollout", i, f"EvalRolloutWorker-{i}")).remote(
         checkpoint, seed=cfg.seed, threads=cfg.cluster.rollout.threads, dtype=cfg.model.dtype,
@@ -143,6 +151,8 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
         for traj, task in zip(trajectories, tasks):
             traj.task = task  # scoring and CDIR read the task as written, images included
         metrics = score(trajectories, summaries)
+        if samples is not None:
+            write_samples(samples, trajectories)
         if cdir:
             from transformers import AutoTokenizer
 
@@ -179,10 +189,10 @@ def main(argv: list[str] | None = None) -> int:
     if (args.image_index or args.cdir_threshold != 0.8) and not args.cdir:
         parser.error("--image-index and --cdir-threshold need --cdir")
     cfg = load_config(args.config, args.overrides)
-    metrics = evaluate(cfg, args.checkpoint, args.data, args.limit, cdir=args.cdir, image_index=args.image_index,
-                       cdir_threshold=args.cdir_threshold)
     out = Path(args.out or Path(args.checkpoint).resolve() / "eval")
     out.mkdir(parents=True, exist_ok=True)
+    metrics = evaluate(cfg, args.checkpoint, args.data, args.limit, cdir=args.cdir, image_index=args.image_index,
+                       cdir_threshold=args.cdir_threshold, samples=out / "samples.jsonl")
     (out / "eval.json").write_text(json.dumps({"checkpoint": args.checkpoint, "data": args.data, **metrics}, indent=1))
     (out / "eval.md").write_text(markdown(metrics, f"{args.checkpoint} on {args.data}"))
     print(markdown(metrics, f"{args.checkpoint} on {args.data}"))

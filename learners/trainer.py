@@ -18,7 +18,7 @@ import yaml
 
 from actors.environment import ImageTokens, derive_seed
 from actors.rollout_worker import RolloutWorker
-from cluster.environments import service_roles, start_environment, start_judge
+from cluster.environments import service_roles, start_environment, start_judge, tool_demand
 from cluster.placement import ROLES, Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners import checkpoint as ckpt
@@ -70,7 +70,7 @@ class Trainer:
 
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
-        self.placement: Placement = place(cfg.cluster, ROLES + service_roles(cfg))
+        self.placement: Placement = place(cfg.cluster, ROLES + service_roles(cfg), others=tool_demand(cfg))
         # written once the run is known to fit, so a refused resume leaves the previous run's config as it was
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))

@@ -49,12 +49,20 @@ def cut_observation(grammar, body: str, tokenizer) -> str:
     return tokenizer.decode(ids[:grammar.max_observation_tokens], skip_special_tokens=False)
 
 
-def answer_segment(task: dict, grammar, thought: str) -> dict:
-    return {"role": "policy", "text": f"<think>{thought}</think>\n<{grammar.answer_tag}>{task['answer']}"
+def gold_answer(task: dict, answer_with: str = "letter") -> str:
+    """The gold option's letter, or with `answer_with="text"` its text (the accuracy reward takes either). A small
+    model copies a disease name from the retrieved text far more easily than it maps that name to a letter."""
+    if answer_with == "text" and task.get("options"):
+        return task["options"][task["answer"]]
+    return task["answer"]
+
+
+def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter") -> dict:
+    return {"role": "policy", "text": f"<think>{thought}</think>\n<{grammar.answer_tag}>{gold_answer(task, answer_with)}"
                                       f"</{grammar.answer_tag}>"}
 
 
-def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer) -> dict | None:
+def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, answer_with: str = "letter") -> dict | None:
     """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown."""
     from actors.environment import retrieval_text
 
@@ -64,7 +72,8 @@ def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer) ->
         shown = [h for h in hits if h.get("doc_id") == doc_id and f"] {h['title']}:" in observation]
         if not shown:  # the gold document was not retrieved, or cut from what the policy would see
             return None
-        thought = f"The knowledge base names {shown[0]['title']}: option {task['answer']}."
+        thought = f"The knowledge base names {shown[0]['title']}" + \
+            (f": option {task['answer']}." if answer_with == "letter" else ".")
     else:
         thought = "The retrieved knowledge and the image agree."
     action = grammar.action_tag
@@ -72,7 +81,7 @@ def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer) ->
         {"role": "policy", "text": f"<think>What is known about these findings? Look it up.</think>\n"
                                    f"<{action}>{expert_query(task)}</{action}>"},
         {"role": "environment", "text": observation},
-        answer_segment(task, grammar, thought)]}
+        answer_segment(task, grammar, thought, answer_with)]}
 
 
 def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | None) -> dict:
@@ -106,8 +115,10 @@ def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | No
     return {"task": task, "segments": segments + [answer_segment(task, grammar, "The close-up shows the finding.")]}
 
 
-def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, progress: bool = True) -> dict:
-    """Demonstrations for the tasks of `data` under run config `cfg` (its grammar, environment, tokenizer)."""
+def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, progress: bool = True,
+                         answer_with: str = "letter") -> dict:
+    """Demonstrations for the tasks of `data` under run config `cfg` (its grammar, environment, tokenizer);
+    multiple-choice answers as the option's letter or (`answer_with="text"`) its text."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -130,11 +141,11 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
         for start in tqdm(range(0, len(tasks), 64), desc="demonstrations", disable=not progress):
             chunk = tasks[start:start + 64]
             for task, hits in zip(chunk, retriever.search([expert_query(t) for t in chunk], grammar.top_k)):
-                demo = retrieval_demonstration(task, grammar, hits, tokenizer)
+                demo = retrieval_demonstration(task, grammar, hits, tokenizer, answer_with)
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:
-        demos = [{"task": t, "segments": [answer_segment(t, grammar, "Match the findings to an option.")]}
+        demos = [{"task": t, "segments": [answer_segment(t, grammar, "Match the findings to an option.", answer_with)]}
                  for t in tasks]
     out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(out, demos)
@@ -177,13 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", required=True, help="tasks: JSONL or <world>:<split> (e.g. hpo:mcq_train)")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--answer-with", choices=["letter", "text"], default="letter",
+                        help="multiple choice: answer with the option letter or the option text")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(write_demonstrations(cfg, args.data, args.out, args.limit)))
+    print(json.dumps(write_demonstrations(cfg, args.data, args.out, args.limit, answer_with=args.answer_with)))
     return 0
 
 

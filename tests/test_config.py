@@ -95,3 +95,16 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path):
     with pytest.raises(FileExistsError, match="resume=true"):
         Trainer(cfg).fit()
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_tool_actors_count_against_the_cluster_naming_the_tool():
+    """Tool actors run beside the placement groups; a layout whose tools do not fit is refused up front."""
+    from cluster.environments import tool_demand
+
+    cfg = load_config("configs/medvistagym.yaml", ["tools.tools.zoom_in.replicas=8", "tools.tools.zoom_in.num_cpus=1"])
+    demand = tool_demand(cfg)
+    assert demand["tools.tools.zoom_in"] == {"num": 8, "CPU": 1.0, "GPU": 0.0}
+    check_fits(cfg.cluster, {"CPU": 64.0}, others=demand)  # fits a larger cluster
+    with pytest.raises(PlacementError, match=r"cluster has 2; .*") as err:
+        check_fits(cfg.cluster, {"CPU": 2.0}, others=demand)
+    assert "tools.tools.zoom_in: 8 x 1" in str(err.value)
