@@ -50,27 +50,41 @@ def model_inputs(batch: dict) -> dict:
 
 
 def pad_batch(trajs: list[Trajectory], pad_id: int, vision: ImageTokens | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded tensors for a micro-batch, aligned so position t predicts token t+1.
+    """Right-padded tensors for a micro-batch.
 
-    input_ids [B, L] = prompt + response; for targets at positions 1..L-1: `mask` is the loss mask of
-    response tokens (0 on the prompt, environment tokens and padding) and `old_logp` the behaviour logprobs.
-    Trajectories with images add the forward's image arguments (:func:`image_inputs`).
+    input_ids [B, L] = prompt + response. Only positions from F = (shortest prompt) - 1 on predict a response token,
+    so the targets are tokens F+1..L-1: `mask` [B, L-1-F] is their loss mask (0 on the prompt, environment tokens
+    and padding), `old_logp` their behaviour logprobs and `keep` = L - F the positions whose logits the forward must
+    compute (:func:`forward_logp`). Trajectories with images add the forward's image arguments (:func:`image_inputs`).
     """
     seqs = [t.prompt_ids + t.response_ids for t in trajs]
     width = max(map(len, seqs))
+    first = min(len(t.prompt_ids) for t in trajs) - 1
     input_ids = torch.full((len(trajs), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(trajs), width), dtype=torch.long)
-    mask = torch.zeros((len(trajs), width - 1))
-    old_logp = torch.zeros((len(trajs), width - 1))
+    mask = torch.zeros((len(trajs), width - 1 - first))
+    old_logp = torch.zeros((len(trajs), width - 1 - first))
     for i, (t, seq) in enumerate(zip(trajs, seqs)):
         input_ids[i, :len(seq)] = torch.tensor(seq)
         attention[i, :len(seq)] = 1
-        start = len(t.prompt_ids) - 1
+        start = len(t.prompt_ids) - 1 - first
         mask[i, start:start + len(t.response_ids)] = torch.tensor(t.loss_mask, dtype=torch.float)
         old_logp[i, start:start + len(t.response_ids)] = torch.tensor(t.logprobs)
     images = [im for t in trajs for im in t.images]
     return {"input_ids": input_ids, "attention_mask": attention, "mask": mask, "old_logp": old_logp,
+            "keep": torch.tensor(width - first),
             **image_inputs(input_ids, images, vision, [g for t in trajs for g in t.image_grids])}
+
+
+def forward_logp(module, batch: dict, with_entropy: bool, temperature: float):
+    """Logprobs (and entropies) of a `pad_batch`'s targets, [B, L-1-F]. The LM head, log-softmax and entropy run
+    on the `keep` positions that predict response tokens only: with prompts much longer than responses (retrieval,
+    images) that is most of a tiny model's learner time, as TRL's `logits_to_keep` also found."""
+    keep = int(batch["keep"])
+    logits = module(**model_inputs(batch), logits_to_keep=keep).logits[:, :-1]
+    logp = algo.token_logprobs(logits, batch["input_ids"][:, 1 - keep:], temperature)
+    entropy = algo.token_entropy(logits.detach(), temperature) if with_entropy else None
+    return logp, entropy
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -141,12 +155,6 @@ class LearnerWorker:
         self.vision = ImageTokens.for_model(model_path)  # the image processor the rollout engines use, or None
         return self.rank
 
-    def _forward_logp(self, module, batch: dict, with_entropy: bool, temperature: float):
-        logits = module(**model_inputs(batch)).logits[:, :-1]
-        logp = algo.token_logprobs(logits, batch["input_ids"][:, 1:], temperature)
-        entropy = algo.token_entropy(logits.detach(), temperature) if with_entropy else None
-        return logp, entropy
-
     def train(self, trajectory_refs: list, advantages: list[float] | None, algorithm: dict, objective: str,
               temperature: float, lr: float) -> dict:
         """`updates_per_batch` optimizer steps on this rank's shard of the batch, with the GRPO objective (rollouts
@@ -180,16 +188,16 @@ class LearnerWorker:
             for m in range(micro_batches):
                 batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id, self.vision)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
-                logp, entropy = self._forward_logp(self.engine, batch, with_entropy=True,
-                                                   temperature=temperature if objective == "grpo" else 1.0)
+                logp, entropy = forward_logp(self.engine, batch, with_entropy=True,
+                                             temperature=temperature if objective == "grpo" else 1.0)
                 if objective == "sft":
                     loss, s = algo.sft_loss(logp, batch["mask"], global_denominator=denominator)
                 else:
                     ref_logp = None
                     if self.reference is not None:
                         with torch.no_grad():
-                            ref_logp, _ = self._forward_logp(self.reference, batch, with_entropy=False,
-                                                             temperature=temperature)
+                            ref_logp, _ = forward_logp(self.reference, batch, with_entropy=False,
+                                                       temperature=temperature)
                     adv = shard_adv[m * micro:(m + 1) * micro].to(self.device)
                     loss, s = algo.grpo_loss(logp, batch["old_logp"], adv, batch["mask"], eps_low=alg["eps_low"],
                                              eps_high=alg["eps_high"], loss_agg=alg["loss_agg"], ref_logp=ref_logp,

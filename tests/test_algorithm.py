@@ -92,3 +92,35 @@ def test_token_logprobs_with_temperature():
     assert lp.item() == pytest.approx(math.log(math.e / (math.e + 1)), abs=1e-6)
     ent = algo.token_entropy(torch.zeros(1, 1, 4))
     assert ent.item() == pytest.approx(math.log(4), abs=1e-6)
+
+
+def test_learner_forward_scores_exactly_the_response_tokens_of_a_padded_batch(tiny_model_path):
+    """pad_batch + forward_logp compute logits only where a response token is predicted; the logprobs, masks and
+    behaviour logprobs must line up with a plain full-sequence forward of each trajectory on its own."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.trajectory import Trajectory
+    from learners.algorithm import token_logprobs
+    from learners.learner_group import forward_logp, pad_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+    shapes = [(7, [1, 1, 0, 1]), (4, [1, 1]), (9, [1, 0, 0, 1, 1, 1])]  # (prompt length, response loss mask)
+    trajs = [Trajectory(task={}, group=0, prompt_ids=list(range(10, 10 + p)), response_ids=list(range(50, 50 + len(m))),
+                        logprobs=[-0.1 * (k + 1) for k in range(len(m))], loss_mask=m, text="", finish_reason="stop",
+                        weight_version=0) for p, m in shapes]
+    batch = pad_batch(trajs, pad_id=0)
+    assert int(batch["keep"]) == 15 - 3  # width 15, first predicting position 3 (shortest prompt 4, minus 1)
+    with torch.no_grad():
+        logp, entropy = forward_logp(model, batch, with_entropy=True, temperature=1.0)
+        for i, t in enumerate(trajs):
+            ids = torch.tensor([t.prompt_ids + t.response_ids])
+            full = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
+            expect = full[len(t.prompt_ids) - 1:]  # the response tokens' logprobs
+            at = (batch["mask"][i] != 0) | (batch["old_logp"][i] != 0)
+            start = len(t.prompt_ids) - 1 - 3
+            assert at.nonzero().flatten().tolist() == list(range(start, start + len(t.response_ids)))
+            assert torch.allclose(logp[i, start:start + len(t.response_ids)], expect, atol=1e-5)
+            assert batch["mask"][i, start:start + len(t.response_ids)].tolist() == t.loss_mask
+            assert batch["old_logp"][i, start:start + len(t.response_ids)].tolist() == pytest.approx(t.logprobs)
+    assert logp.shape == entropy.shape == batch["mask"].shape
