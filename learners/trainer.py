@@ -7,6 +7,7 @@ numbers; trajectories go from rollout workers to reward actors and learners dire
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,7 @@ class Trainer:
         self.learners.connect(self.workers)
         self.stage_index, self.rewarders = None, []
         self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
+        self.service_pids: dict = {}
         self.judge_counts: dict = {}
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
         if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
@@ -88,6 +90,7 @@ class Trainer:
             states = ckpt.read_state(resume_from).get("reward_states", [])
             ray.get([r.load_state_dict.remote(s) for r, s in zip(self.rewarders, states)])
         ray.get([w.ready.remote() for w in self.workers])
+        self.count_service_restarts()  # the process ids a restart will change
         self.version = self.step  # the learner's weight version: one per optimizer step taken
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
 
@@ -215,6 +218,28 @@ class Trainer:
                 self.reward_pids[actor] = s["pid"]
         return scores
 
+    def service_actors(self) -> dict[str, list]:
+        """The service actors by metrics role: the environment's (retrievers, or the Gym's tool actors) and the judge."""
+        from actors.gym import ToolEnvironment
+        env = self.environment
+        roles = {"tool" if isinstance(env, ToolEnvironment) else "retriever": env.actors()} if env else {}
+        return {**roles, **({"judge": [self.judge]} if self.judge else {})}
+
+    def count_service_restarts(self) -> None:
+        """A service actor that Ray restarted answers from a new process: count it in actor_restarts/<role>. Ray
+        retries the calls it lost on the new process, so the run goes on; one still restarting is checked next step."""
+        for role, actors in self.service_actors().items():
+            self.restarts.setdefault(role, 0)
+            calls = [actor.__ray_call__.remote(_process_id) for actor in actors]
+            for i, call in enumerate(calls):
+                try:
+                    pid = ray.get(call, timeout=30)
+                except ACTOR_LOST + (ray.exceptions.GetTimeoutError,):
+                    continue
+                if self.service_pids.setdefault((role, i), pid) != pid:
+                    self.restarts[role] += 1
+                    self.service_pids[(role, i)] = pid
+
     def check_fidelity(self, rollouts: StepRollouts, n: int = 4) -> float:
         """Max |engine logprob - learner logprob| over a few of the step's sequences, under the synced weights."""
         sample = ray.get(rollouts.trajectories[0])[:n]
@@ -264,6 +289,7 @@ class Trainer:
             self.version += 1
             sync = self.learners.sync(self.version)
             self.restarts["rollout"] += sync["sync_retries"]  # a worker lost between steps, back for the sync
+            self.count_service_restarts()
 
             if not overlap and next_step < end:
                 pending = self.start_rollouts(next_step)
@@ -332,6 +358,10 @@ class Trainer:
         for actor in self.workers + self.rewarders + services:
             ray.kill(actor)
         self.placement.remove()
+
+
+def _process_id(_actor) -> int:
+    return os.getpid()
 
 
 def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,

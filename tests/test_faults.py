@@ -46,6 +46,7 @@ def test_killed_rollout_reward_and_retriever_actors_do_not_stop_the_run(ray_sess
     last = history[-1]
     # the worker's loss is counted whether the kill hit a rollout (generated again) or the sync (read again)
     assert last["actor_restarts/rollout"] >= 1 and last["actor_restarts/reward"] >= 1
+    assert last["actor_restarts/retriever"] == 1
     # every step trained on its whole batch, and the regenerated share was sampled with the current weights
     assert all(h["fidelity_max_abs_diff"] <= 1e-4 for h in history)
     assert all(h["version_lag"] == 0 for h in history)
