@@ -50,25 +50,29 @@ def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, referenc
     return params * (per_param + (weights if reference else 0))
 
 
-def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int) -> list[dict]:
-    """Bundles packed onto nodes in role order: each actor's node and GPU indices (fractions share a GPU)."""
+def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int,
+                others: dict[str, dict[str, float]] | None = None) -> list[dict]:
+    """Bundles packed onto nodes in role order, then `others` (tool actors, as `cluster.environments.tool_demand`
+    gives them): each actor's node and GPU indices (fractions share a GPU)."""
     plan, node, gpu_cursor = [], 0, 0.0
-    for role in roles:
-        res = getattr(cfg.cluster, role)
-        for i in range(res.num):
-            need = res.num_gpus
+    actors = [(role, getattr(cfg.cluster, role).num, getattr(cfg.cluster, role).num_cpus,
+               getattr(cfg.cluster, role).num_gpus) for role in roles]
+    actors += [(field.removeprefix("tools.tools."), d["num"], d["CPU"], d["GPU"]) for field, d in (others or {}).items()]
+    for role, num, num_cpus, num_gpus in actors:
+        for i in range(num):
+            need = num_gpus
             if need and math.ceil(gpu_cursor + need - 1e-9) > gpus_per_node:
                 node, gpu_cursor = node + 1, 0.0
             first = math.floor(gpu_cursor + 1e-9)
             gpus = list(range(first, math.ceil(gpu_cursor + need - 1e-9))) if need else []
             plan.append({"actor": f"{role}-{i}", "role": role, "node": node if need else None, "gpus": gpus,
-                         "gpu_share": need, "cpus": res.num_cpus})
+                         "gpu_share": need, "cpus": num_cpus})
             gpu_cursor += need
     return plan
 
 
 def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0) -> dict:
-    from cluster.environments import service_roles
+    from cluster.environments import service_roles, tool_demand
     from cluster.placement import ROLES
 
     roles = ROLES + service_roles(cfg)
@@ -83,7 +87,7 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0)
     per_role = {"learner": learner / GiB, "rollout": rollout / GiB}
     if cfg.judge is not None and cfg.judge.backend == "vllm":  # vLLM's share of each of its GPUs
         per_role["judge"] = cfg.judge.gpu_memory_utilization * gpu_memory_gb * max(cfg.cluster.judge.num_gpus, 1)
-    placement = device_plan(cfg, roles, gpus_per_node)
+    placement = device_plan(cfg, roles, gpus_per_node, others=tool_demand(cfg))
     for row in placement:  # reward models are the user's choice: no estimate (None) for them
         known = row["gpus"] and row["role"] in per_role
         row["memory_gib"] = round(per_role[row["role"]], 1) if known else None

@@ -42,3 +42,12 @@ def test_placement_packs_whole_gpus_and_shares_fractions():
     assert plan["reward-0"]["gpus"] == plan["reward-1"]["gpus"] == [7]   # two 0.5-GPU actors on one device
     small = device_plan(cfg, ("learner", "rollout", "reward"), gpus_per_node=4)
     assert {row["node"] for row in small if row["role"] == "rollout"} == {1}   # the learners fill node 0
+
+
+def test_dry_run_lists_the_tool_actors_and_their_gpus():
+    cfg = load_config("configs/medvr_cluster.yaml", ["tools.tools.zoom_in.replicas=2", "tools.tools.zoom_in.num_gpus=0.5"])
+    plan = dry_run(cfg)
+    tools = [row for row in plan["placement"] if row["role"] == "zoom_in"]
+    assert [row["actor"] for row in tools] == ["zoom_in-0", "zoom_in-1"]
+    assert [row["gpus"] for row in tools] == [[tools[0]["gpus"][0]]] * 2  # two halves of one GPU
+    assert plan["gpus"] == pytest.approx(sum(r["gpu_share"] for r in plan["placement"] if r["role"] != "zoom_in") + 1)
