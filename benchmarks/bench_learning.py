@@ -7,11 +7,13 @@ key=value overrides (e.g. a larger tiny model: model.tiny.hidden_size=256) apply
 its evaluation; --name keeps each setting's runs apart (outputs/bench_learning/<name>/).
 
 retrieval: the HPO diagnosis task, evaluated on held-out diseases (hpo:mcq_test: no test disease occurs in training,
-so only retrieval can answer), four arms at equal optimizer steps (S cold-start SFT steps + R RL steps), tiny Qwen2:
-  sft_only            SFT on scripted-expert retrieval demonstrations for S + R steps (tasks/expert.py)
-  grpo_no_retrieval   SFT on think-then-answer demonstrations, then GRPO single-turn (format + accuracy)
-  grpo_retrieval      SFT on retrieval demonstrations, then GRPO with the retriever (format + accuracy)
+so only retrieval can answer), tiny Qwen2. Two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
+  sft_only            SFT on scripted-expert retrieval demonstrations (tasks/expert.py), S steps
+  sft_direct          SFT on think-then-answer demonstrations (no retrieval), S steps
+  grpo_no_retrieval   sft_direct's weights + R GRPO steps, single turn (format + accuracy)
+  grpo_retrieval      sft_only's weights + R GRPO steps with the retriever (format + accuracy)
   grpo_retrieval_rwr  the same + Med-RwR's query-semantic (MedCAT) and confidence-gain rewards
+The GRPO arms take R optimizer steps more than the SFT arms (S + R against S).
 armed: ARMed's adaptive vs static semantic reward on the open-ended HPO task (text): the NCI of the semantic
 component over training (goal: adaptive stays >= 0.25 where static falls below 0.1).
 Writes benchmarks/results/learning_<suite>.json and .png, and prints a table.
@@ -76,19 +78,23 @@ def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
 def retrieval_suite(args) -> list[dict]:
     s, r, runs = args.sft_steps, args.rl_steps, RUNS / args.name
     retrieval_demos, direct_demos = demonstrations(runs, "retrieval", args), demonstrations(runs, "direct", args)
-    sft = "{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: 32}}"
+    sft = "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: 32}}]"
+    # GRPO continues from a cold start's checkpoint with a much lower lr: at the SFT lr (3e-3) 20 steps wiped out
+    # what SFT taught (greedy outputs degenerated to repeated tokens).
+    rl = [f"total_steps={r}", f"learner.lr={args.rl_lr}"]
     arms = {
-        "sft_only": ([f"total_steps={s + r}", f"stages=[{sft % (s + r, retrieval_demos)}]"], []),
-        "grpo_no_retrieval": ([f"total_steps={s + r}", *SINGLE_TURN, FORMAT_ACCURACY,
-                               f"stages=[{sft % (s, direct_demos)}, {{name: rl, steps: {r}}}]"], SINGLE_TURN),
-        "grpo_retrieval": ([f"total_steps={s + r}", FORMAT_ACCURACY,
-                            f"stages=[{sft % (s, retrieval_demos)}, {{name: rl, steps: {r}}}]"], []),
-        "grpo_retrieval_rwr": ([f"total_steps={s + r}", RWR,
-                                f"stages=[{sft % (s, retrieval_demos)}, {{name: rl, steps: {r}}}]"], []),
+        "sft_only": ([f"total_steps={s}", sft % (s, retrieval_demos)], [], None),
+        "sft_direct": ([f"total_steps={s}", *SINGLE_TURN, sft % (s, direct_demos)], SINGLE_TURN, None),
+        "grpo_no_retrieval": ([*rl, *SINGLE_TURN, FORMAT_ACCURACY], SINGLE_TURN, "sft_direct"),
+        "grpo_retrieval": ([*rl, FORMAT_ACCURACY], [], "sft_only"),
+        "grpo_retrieval_rwr": ([*rl, RWR], [], "sft_only"),
     }
     rows = []
     for name in args.arms or arms:
-        train_overrides, eval_overrides = arms[name]
+        train_overrides, eval_overrides, start_from = arms[name]
+        if start_from:  # the cold start's final weights (trained first if need be)
+            cold, *_ = train(runs / start_from, [f"seed={args.seed}", *args.overrides, *arms[start_from][0]])
+            train_overrides = [f"model.path={cold.resolve()}", *train_overrides]
         checkpoint, seconds, metrics = train(runs / name, [f"seed={args.seed}", *args.overrides, *train_overrides])
         result = evaluate(checkpoint, [*args.overrides, *eval_overrides], args.eval_limit)
         acc = result["accuracy"]
@@ -98,7 +104,8 @@ def retrieval_suite(args) -> list[dict]:
                      "format_rate": round(result["format_rate"]["mean"], 3),
                      "env_calls_per_sample": round(result["env_calls_per_sample"], 2),
                      "train_reward_last5": round(sum(m["reward_mean"] for m in rl[-5:]) / max(1, len(rl[-5:])), 3)
-                     if rl else None, "train_minutes": round(seconds / 60, 1), "steps": s + r})
+                     if rl else None, "train_minutes": round(seconds / 60, 1),
+                     "steps": f"{s} SFT + {r} GRPO" if start_from else f"{s} SFT"})
     plot(rows, "retrieval")
     return rows
 
@@ -151,6 +158,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="*", help="retrieval: a subset of the arms")
     parser.add_argument("--sft-steps", type=int, default=60)
     parser.add_argument("--rl-steps", type=int, default=40)
+    parser.add_argument("--rl-lr", type=float, default=3e-4, help="retrieval suite: the GRPO arms' learning rate")
     parser.add_argument("--eval-limit", type=int, default=200)
     parser.add_argument("--demo-limit", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
