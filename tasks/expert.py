@@ -84,7 +84,8 @@ def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, an
         answer_segment(task, grammar, thought, answer_with)]}
 
 
-def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | None) -> dict:
+def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | None,
+                       answer_with: str = "letter") -> dict:
     """Zoom into the gold box (then retrieve_knowledge for the finding when allowed), through the real tool actors."""
     gym.reset(task)
     calls = [("The finding may be small: inspect it at full resolution.",
@@ -112,7 +113,8 @@ def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | No
                 image.save(path)
                 segment["images"].append(str(path.resolve()))
         segments += [{"role": "policy", "text": policy}, segment]
-    return {"task": task, "segments": segments + [answer_segment(task, grammar, "The close-up shows the finding.")]}
+    return {"task": task, "segments": segments + [answer_segment(task, grammar, "The close-up shows the finding.",
+                                                                  answer_with)]}
 
 
 def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, progress: bool = True,
@@ -134,7 +136,8 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
         index_dir = ensure_run_index(cfg)
     demos, skipped = [], 0
     if grammar.action_tag and cfg.tools is not None:
-        demos = tool_demonstrations(cfg, tasks, tokenizer, index_dir, out.with_name(out.name + ".images"), progress)
+        demos = tool_demonstrations(cfg, tasks, tokenizer, index_dir, out.with_name(out.name + ".images"), progress,
+                                    answer_with)
     elif grammar.action_tag:
         from actors.retriever import LocalRetriever
         retriever = LocalRetriever(index_dir, config=cfg.retrieval.search)
@@ -153,7 +156,7 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
 
 
 def tool_demonstrations(cfg, tasks: list[dict], tokenizer, index_dir: Path | None, image_dir: Path,
-                        progress: bool) -> list[dict]:
+                        progress: bool, answer_with: str = "letter") -> list[dict]:
     """Tool episodes on the run's tool actors (a private local Ray unless RAY_ADDRESS names one)."""
     import ray
     from tqdm import tqdm
@@ -171,7 +174,7 @@ def tool_demonstrations(cfg, tasks: list[dict], tokenizer, index_dir: Path | Non
     env = make_tool_environment(cfg.tools, retriever=retriever)
     try:
         gym = MedicalGym(env, cfg.rollout.grammar)
-        return [tool_demonstration(t, cfg.rollout.grammar, gym, tokenizer, image_dir)
+        return [tool_demonstration(t, cfg.rollout.grammar, gym, tokenizer, image_dir, answer_with)
                 for t in tqdm(tasks, desc="demonstrations", disable=not progress)]
     finally:
         for actor in env.actors() + ([retriever] if retriever else []):
