@@ -198,19 +198,37 @@ class Environment:
         return []
 
 
-def retrieval_text(hits: list[dict] | None, error: str | None) -> str:
-    """Retrieved chunks as the policy reads them, or the failure it must reason around."""
+def retrieval_text(hits: list[dict] | None, error: str | None, *, show: str = "passages",
+                   options: dict[str, str] | None = None) -> str:
+    """Retrieved chunks as the policy reads them, or the failure it must reason around.
+
+    show "passages": "[i] title: text" per hit; "titles": "[i] title" only (every hit fits a short observation).
+    options (a multiple-choice question's {letter: text}): a hit whose title is an option's text is marked
+    "(option X)", i.e. the retrieved documents are linked to the candidate answers.
+    """
     if error is not None:
         return f"retrieval failed ({error}); continue without it"
-    return "\n".join(f"[{i + 1}] {d.get('title', '')}: {d['text']}" for i, d in enumerate(hits)) or "no results"
+    return "\n".join(hit_header(i, d, options) + (f": {d['text']}" if show == "passages" else "")
+                     for i, d in enumerate(hits)) or "no results"
+
+
+def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> str:
+    """'[rank+1] title', plus '(option X)' when the title is option X's text (case and spacing ignored)."""
+    title = hit.get("title", "")
+    letters = {" ".join(text.lower().split()): letter for letter, text in (options or {}).items()}
+    letter = letters.get(" ".join(title.lower().split()))
+    return f"[{rank + 1}] {title}" + (f" (option {letter})" if letter else "")
 
 
 class RetrievalEnvironment(Environment):
     """Queries go to a :class:`~actors.retriever.Retriever` actor (or a ShardedRetriever) in one batched call;
-    each turn records the query and the retrieved chunks (ids and text)."""
+    each turn records the query and the retrieved chunks (ids and text). `show` and `link_options` shape the
+    observation (:func:`retrieval_text`)."""
 
-    def __init__(self, retriever, top_k: int, timeout_s: float = 60.0):
+    def __init__(self, retriever, top_k: int, timeout_s: float = 60.0, show: str = "passages",
+                 link_options: bool = False):
         self.retriever, self.top_k, self.timeout_s = retriever, top_k, timeout_s
+        self.show, self.link_options = show, link_options
 
     def call(self, episodes: list[Episode], actions: list[str]) -> list:
         search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
@@ -221,7 +239,8 @@ class RetrievalEnvironment(Environment):
         hits = result[:self.top_k] if result is not None else None
         record = {"query": action, "error": error,
                   "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
-        return Observation(retrieval_text(hits, error), record)
+        options = episode.task.get("options") if self.link_options else None
+        return Observation(retrieval_text(hits, error, show=self.show, options=options), record)
 
     def actors(self) -> list:
         return list(getattr(self.retriever, "actors", [self.retriever]))

@@ -82,4 +82,5 @@ def start_environment(cfg, placement: Placement) -> Environment | None:
     if cfg.tools is not None:
         from actors.gym import make_tool_environment
         return make_tool_environment(cfg.tools, retriever)
-    return RetrievalEnvironment(retriever, top_k=cfg.retrieval.search.top_k, timeout_s=cfg.retrieval.timeout_s)
+    return RetrievalEnvironment(retriever, top_k=cfg.retrieval.search.top_k, timeout_s=cfg.retrieval.timeout_s,
+                                show=cfg.retrieval.show, link_options=cfg.retrieval.link_options)

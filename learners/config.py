@@ -135,6 +135,10 @@ class RetrievalSection(Strict):
     search: RetrievalConfig = RetrievalConfig(mode="sparse", top_k=3)
     shards: int = Field(1, ge=1)
     timeout_s: float = Field(60.0, gt=0, description="a slower search becomes an error observation")
+    show: Literal["passages", "titles"] = Field("passages", description="what the policy reads of each hit: "
+                                                "'[i] title: text', or '[i] title' only")
+    link_options: bool = Field(False, description="mark a hit whose title is a multiple-choice option's text with "
+                                                  "'(option X)': the documents linked to the candidate answers")
 
     @model_validator(mode="after")
     def _mode_needs_vectors(self):

@@ -1,7 +1,7 @@
 """Scripted-expert demonstrations for cold starts (SFT before RL): episodes written in a recipe's tag grammar, with
 the environment's turns produced by the real environment, exactly as a rollout would see them.
 
-    python -m tasks.expert --config configs/med_rwr.yaml --data hpo:mcq_train --out demos.jsonl [--limit N]
+    python -m tasks.expert --config configs/med_rwr.yaml --data hpo:mcq_train --out demos.jsonl [--limit N] [key=value ...]
     python -m tasks.expert --config configs/medvistagym.yaml --data imaging:finding_mcq_train --out demos.jsonl
 
 The run config says which grammar, environment and tokenizer to follow:
@@ -62,18 +62,26 @@ def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter
                                       f"</{grammar.answer_tag}>"}
 
 
-def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, answer_with: str = "letter") -> dict | None:
-    """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown."""
-    from actors.environment import retrieval_text
+def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, answer_with: str = "letter",
+                            show: str = "passages", link_options: bool = False) -> dict | None:
+    """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown.
+    `show` and `link_options` format the hits as the run's RetrievalEnvironment does."""
+    from actors.environment import hit_header, retrieval_text
 
-    observation = cut_observation(grammar, retrieval_text(hits, None), tokenizer)
+    options = task.get("options") if link_options else None
+    observation = cut_observation(grammar, retrieval_text(hits, None, show=show, options=options), tokenizer)
     doc_id = (task.get("metadata") or {}).get("kb_doc_id")
     if doc_id:
-        shown = [h for h in hits if h.get("doc_id") == doc_id and f"] {h['title']}:" in observation]
+        end = ":" if show == "passages" else "\n"  # the whole header is shown, not cut
+        shown = [h for rank, h in enumerate(hits)
+                 if h.get("doc_id") == doc_id and hit_header(rank, h, options) + end in observation]
         if not shown:  # the gold document was not retrieved, or cut from what the policy would see
             return None
-        thought = f"The knowledge base names {shown[0]['title']}" + \
-            (f": option {task['answer']}." if answer_with == "letter" else ".")
+        if options and answer_with == "letter":  # the link names the letter: no need to restate the long title
+            thought = f"The knowledge base links option {task['answer']}."
+        else:
+            thought = f"The knowledge base names {shown[0]['title']}" + \
+                (f": option {task['answer']}." if answer_with == "letter" else ".")
     else:
         thought = "The retrieved knowledge and the image agree."
     action = grammar.action_tag
@@ -144,7 +152,8 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
         for start in tqdm(range(0, len(tasks), 64), desc="demonstrations", disable=not progress):
             chunk = tasks[start:start + 64]
             for task, hits in zip(chunk, retriever.search([expert_query(t) for t in chunk], grammar.top_k)):
-                demo = retrieval_demonstration(task, grammar, hits, tokenizer, answer_with)
+                demo = retrieval_demonstration(task, grammar, hits, tokenizer, answer_with, cfg.retrieval.show,
+                                               cfg.retrieval.link_options)
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:
@@ -193,9 +202,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--answer-with", choices=["letter", "text"], default="letter",
                         help="multiple choice: answer with the option letter or the option text")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of the run config")
     args = parser.parse_args(argv)
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

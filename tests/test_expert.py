@@ -36,3 +36,44 @@ def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_mo
         assert answer["text"].endswith(f"<answer>{task['answer']}</answer>")
         assert task["options"][task["answer"]] in observed["text"]  # the answer is read, not guessed
     assert json.loads(out.read_text().splitlines()[0])["task"]["id"].startswith("hpo-mcq-train")
+
+
+def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path, tmp_path):
+    """retrieval.show=titles + link_options: hits are '[i] title', the gold one marked '(option X)', and the
+    demonstration's observation is exactly what RetrievalEnvironment gives a rollout for the same hits."""
+    from actors.environment import Episode, RetrievalEnvironment
+    from actors.retriever import LocalRetriever
+    from cluster.environments import default_index_dir
+    from transformers import AutoTokenizer
+
+    cfg = load_config("configs/quickstart.yaml", ["retrieval.show=titles", "retrieval.link_options=true"])
+    out = tmp_path / "demos.jsonl"
+    report = write_demonstrations(cfg, "hpo:mcq_train", out, limit=40, progress=False)
+    demos = read_demonstrations(out)
+    assert report["demonstrations"] == len(demos) > 0
+
+    g, r = cfg.rollout.grammar, cfg.retrieval
+    retriever = LocalRetriever(default_index_dir(r.kb, r.index.kind, r.shards), config=r.search)
+    env = RetrievalEnvironment(retriever, g.top_k, show="titles", link_options=True)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    for demo in demos[:5]:
+        task, (ask, observed, answer) = demo["task"], demo["segments"]
+        query = ask["text"].split("<query>")[1].split("</query>")[0]
+        episode = Episode(task=task, group=0, seed=0, prompt_ids=[])
+        hits = retriever.search([query], g.top_k)[0]
+        shown = env.observe(episode, query, hits, None).text
+        full = tok.encode(g.wrap_observation(shown), add_special_tokens=False)
+        assert observed["text"] == tok.decode(full[:g.max_observation_tokens], skip_special_tokens=False)
+        lines = shown.splitlines()
+        assert len(lines) == len(hits) == g.top_k
+        for rank, (line, hit) in enumerate(zip(lines, hits)):  # a title, maybe linked; never the passage text
+            title = f"[{rank + 1}] {hit['title']}"
+            assert line in [title] + [f"{title} (option {letter})" for letter in "ABCD"]
+        gold = f"{task['options'][task['answer']]} (option {task['answer']})"
+        assert any(line.endswith(gold) for line in lines)  # the gold hit, linked to its letter
+        assert answer["text"].endswith(f"<answer>{task['answer']}</answer>")
+    # a hit that is no option stays unmarked; no text follows a title
+    plain = env.observe(Episode(task={"options": {"A": "Gout"}}, group=0, seed=0, prompt_ids=[]), "q",
+                        [{"id": "x#0", "title": "Asthma", "text": "wheezing"},
+                         {"id": "y#0", "title": "gout ", "text": "joint pain"}], None).text
+    assert plain == "[1] Asthma\n[2] gout  (option A)"
