@@ -14,6 +14,9 @@ so only retrieval can answer), tiny Qwen2. Two cold starts of S SFT steps each, 
   grpo_retrieval      sft_only's weights + R GRPO steps with the retriever (format + accuracy)
   grpo_retrieval_rwr  the same + Med-RwR's query-semantic (MedCAT) and confidence-gain rewards
 The GRPO arms take R optimizer steps more than the SFT arms (S + R against S).
+Settings measured (README *Measured*): answers as text or letters; `retrieval.show=titles retrieval.link_options=true`
+shows each hit's title only, marked "(option X)" when it is an option, so reading is one letter and what the policy
+must learn is a query that retrieves the right disease.
 armed: ARMed's adaptive vs static semantic reward on the open-ended HPO task (text): the NCI of the semantic
 component over training (goal: adaptive stays >= 0.25 where static falls below 0.1).
 Writes benchmarks/results/learning_<suite>.json and .png, and prints a table.

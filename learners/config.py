@@ -58,6 +58,8 @@ class TinyModelConfig(Strict):
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
     seed: int = 0
+    term_tokens: bool = Field(False, description="every HPO term that annotates a disease becomes one token, so a "
+                                                 "tiny model copies a phenotype as one token, not a run of BPE pieces")
 
     @model_validator(mode="after")
     def _head_dim(self):
