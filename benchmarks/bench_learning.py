@@ -19,7 +19,8 @@ shows each hit's title only, marked "(option X)" when it is an option, so readin
 must learn is a query that retrieves the right disease.
 armed: ARMed's adaptive vs static semantic reward on the open-ended HPO task (text): the NCI of the semantic
 component over training (goal: adaptive stays >= 0.25 where static falls below 0.1).
-Writes benchmarks/results/learning_<suite>.json and .png, and prints a table.
+Writes benchmarks/results/learning_<suite>.json and a plot (learning_retrieval_<name>.png: the setting's arms;
+learning_armed.png), and prints a table.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,13 +60,14 @@ def demonstrations(runs: Path, kind: str, args) -> Path:
 
 
 def train(out: Path, overrides: list[str]) -> tuple[Path, float, list[dict]]:
-    start = time.perf_counter()
+    """Train (unless a finished run is there); its checkpoint, its training seconds (the logged steps', so a run
+    reused later keeps its time) and its metrics."""
     if not (out / "checkpoints" / "latest").exists():
         subprocess.run([PYTHON, "learners/run.py", "--config", "configs/quickstart.yaml", f"output_dir={out}",
                         "logging.progress_bar=false", "checkpoint.every=1000", *LENGTHS, *WARMUP, *overrides], cwd=ROOT,
                        check=True)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return out / "checkpoints" / "latest", time.perf_counter() - start, metrics
+    return out / "checkpoints" / "latest", sum(m.get("step_s", 0.0) for m in metrics), metrics
 
 
 def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
@@ -109,7 +110,6 @@ def retrieval_suite(args) -> list[dict]:
                      "train_reward_last5": round(sum(m["reward_mean"] for m in rl[-5:]) / max(1, len(rl[-5:])), 3)
                      if rl else None, "train_minutes": round(seconds / 60, 1),
                      "steps": f"{s} SFT + {r} GRPO" if start_from else f"{s} SFT"})
-    plot(rows, "retrieval")
     return rows
 
 
@@ -134,7 +134,8 @@ def armed_suite(args) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], suite: str, curves: dict | None = None) -> None:
+def plot(rows: list[dict], suite: str, curves: dict | None = None, setting: str | None = None) -> None:
+    """learning_armed.png: NCI curves; learning_retrieval_<setting>.png: every arm of one setting run so far."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -150,7 +151,7 @@ def plot(rows: list[dict], suite: str, curves: dict | None = None) -> None:
         ax.set_ylabel("accuracy on held-out diseases"), ax.legend()
         plt.setp(ax.get_xticklabels(), rotation=15)
     fig.tight_layout()
-    path = ROOT / "benchmarks" / "results" / f"learning_{suite}.png"
+    path = ROOT / "benchmarks" / "results" / f"learning_{suite}{f'_{setting}' if setting else ''}.png"
     fig.savefig(path, dpi=100)
     print(f"wrote {path}")
 
@@ -178,6 +179,8 @@ def main() -> None:
         rows = [r for r in json.loads(previous.read_text())["rows"]
                 if (r.get("setting", "default"), r["arm"]) not in done] + rows
     report(f"learning_{args.suite}", rows)
+    if args.suite == "retrieval":
+        plot([r for r in rows if r.get("setting", "default") == args.name], "retrieval", setting=args.name)
 
 
 if __name__ == "__main__":
