@@ -1,7 +1,7 @@
 """Proof, at tiny scale, that the recipes learn what the papers report (issue 7), on this machine.
 
     python benchmarks/bench_learning.py --suite retrieval [--sft-steps 60 --rl-steps 40 --eval-limit 200] [key=value ...]
-    python benchmarks/bench_learning.py --suite armed [--rl-steps 40]
+    python benchmarks/bench_learning.py --suite armed [--sft-steps 60 --rl-steps 40]
 
 key=value overrides (e.g. a larger tiny model: model.tiny.hidden_size=256) apply to every arm, its demonstrations and
 its evaluation; --name keeps each setting's runs apart (outputs/bench_learning/<name>/).
@@ -18,9 +18,10 @@ Settings measured (README *Measured*): answers as text or letters; `retrieval.sh
 shows each hit's title only, marked "(option X)" when it is an option, so reading is one letter and what the policy
 must learn is a query that retrieves the right disease.
 armed: ARMed's adaptive vs static semantic reward on the open-ended HPO task (text): the NCI of the semantic
-component over training (goal: adaptive stays >= 0.25 where static falls below 0.1).
+component over R GRPO steps (goal: adaptive stays >= 0.25 where static falls below 0.1), both from one SFT cold start
+of S steps on direct demonstrations (ARMed trains a model that already answers; --sft-steps 0: from random weights).
 Writes benchmarks/results/learning_<suite>.json and a plot (learning_retrieval_<name>.png: the setting's arms;
-learning_armed.png), and prints a table.
+learning_armed[_<name>].png), and prints a table.
 """
 from __future__ import annotations
 
@@ -48,14 +49,16 @@ RWR = ("rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: a
        "{name: query_semantic_text, weight: 0.4}, {name: confidence_gain, weight: 1.0}]")
 
 
-def demonstrations(runs: Path, kind: str, args) -> Path:
-    """Expert demonstrations for the training split: with retrieval (the quickstart's grammar) or direct."""
+def demonstrations(runs: Path, kind: str, args, data: str = "hpo:mcq_train") -> Path:
+    """Expert demonstrations for a training split (by default the multiple-choice one): with retrieval (the
+    quickstart's grammar) or direct."""
     from learners.config import load_config
     from tasks.expert import write_demonstrations
-    out = runs / f"demos_{kind}_{args.answer_with}.jsonl"
+    split = "" if data == "hpo:mcq_train" else f"{data.split(':')[-1]}_"
+    out = runs / f"demos_{kind}_{split}{args.answer_with}.jsonl"
     if not out.exists():
         cfg = load_config(ROOT / "configs/quickstart.yaml", args.overrides + (SINGLE_TURN if kind == "direct" else []))
-        print(write_demonstrations(cfg, "hpo:mcq_train", out, args.demo_limit, answer_with=args.answer_with))
+        print(write_demonstrations(cfg, data, out, args.demo_limit, answer_with=args.answer_with))
     return out
 
 
@@ -79,16 +82,21 @@ def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
     return json.loads((out / "eval.json").read_text())
 
 
+def cold_start(steps: int, demos: Path) -> list[str]:
+    """Overrides for a run that is one SFT stage of `steps` steps on `demos`."""
+    return [f"total_steps={steps}",
+            "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: 32}}]" % (steps, demos)]
+
+
 def retrieval_suite(args) -> list[dict]:
     s, r, runs = args.sft_steps, args.rl_steps, RUNS / args.name
     retrieval_demos, direct_demos = demonstrations(runs, "retrieval", args), demonstrations(runs, "direct", args)
-    sft = "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: 32}}]"
     # GRPO continues from a cold start's checkpoint with a much lower lr: at the SFT lr (3e-3) 20 steps wiped out
     # what SFT taught (greedy outputs degenerated to repeated tokens).
     rl = [f"total_steps={r}", f"learner.lr={args.rl_lr}"]
     arms = {
-        "sft_only": ([f"total_steps={s}", sft % (s, retrieval_demos)], [], None),
-        "sft_direct": ([f"total_steps={s}", *SINGLE_TURN, sft % (s, direct_demos)], SINGLE_TURN, None),
+        "sft_only": (cold_start(s, retrieval_demos), [], None),
+        "sft_direct": ([*SINGLE_TURN, *cold_start(s, direct_demos)], SINGLE_TURN, None),
         "grpo_no_retrieval": ([*rl, *SINGLE_TURN, FORMAT_ACCURACY], SINGLE_TURN, "sft_direct"),
         "grpo_retrieval": ([*rl, FORMAT_ACCURACY], [], "sft_only"),
         "grpo_retrieval_rwr": ([*rl, RWR], [], "sft_only"),
@@ -114,15 +122,21 @@ def retrieval_suite(args) -> list[dict]:
 
 
 def armed_suite(args) -> list[dict]:
-    base = ["data.train=hpo:open_train", *SINGLE_TURN, f"total_steps={args.rl_steps}", "rollout.stop=[</answer>]",
-            "rollout.max_new_tokens=32", "rollout.temperature=0.7"]
+    runs, task = RUNS / args.name, ["data.train=hpo:open_train", *SINGLE_TURN]
+    base = [*task, f"total_steps={args.rl_steps}", "rollout.stop=[</answer>]", "rollout.max_new_tokens=32",
+            "rollout.temperature=0.7"]
+    if args.sft_steps:  # ARMed starts RL from a model that already answers: both arms from one SFT cold start
+        demos = demonstrations(runs, "direct", args, data="hpo:open_train")
+        cold, *_ = train(runs / "armed_cold_start", [f"seed={args.seed}", *args.overrides, *task,
+                                                      *cold_start(args.sft_steps, demos)])
+        base += [f"model.path={cold.resolve()}", f"learner.lr={args.rl_lr}"]
     rows, curves = [], {}
     for adaptive in (True, False):
         name = f"armed_{'adaptive' if adaptive else 'static'}"
         rewards = ("rewards.components=[{name: armed_textual, weight: 0.4}, {name: armed_semantic, weight: 0.4, "
                    "args: {adaptive: %s}}, {name: tag_format, weight: 0.2, args: {tags: [answer]}}]"
                    % str(adaptive).lower())
-        _, seconds, metrics = train(RUNS / args.name / name, [f"seed={args.seed}", *args.overrides, *base, rewards])
+        _, seconds, metrics = train(runs / name, [f"seed={args.seed}", *args.overrides, *base, rewards])
         nci = [m.get("nci/armed_semantic", 0.0) for m in metrics]
         curves[name] = nci
         tail = nci[len(nci) // 2:]
@@ -130,12 +144,13 @@ def armed_suite(args) -> list[dict]:
                      "nci_semantic_second_half": round(sum(tail) / len(tail), 3),
                      "nci_semantic_min": round(min(nci), 3), "reward_last5": round(
                          sum(m["reward_mean"] for m in metrics[-5:]) / 5, 3), "train_minutes": round(seconds / 60, 1)})
-    plot(rows, "armed", curves)
+    plot(rows, "armed", curves, setting=None if args.name == "default" else args.name)
     return rows
 
 
 def plot(rows: list[dict], suite: str, curves: dict | None = None, setting: str | None = None) -> None:
-    """learning_armed.png: NCI curves; learning_retrieval_<setting>.png: every arm of one setting run so far."""
+    """learning_armed[_<setting>].png: NCI curves; learning_retrieval_<setting>.png: every arm of one setting run so
+    far."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -160,9 +175,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["retrieval", "armed"], required=True)
     parser.add_argument("--arms", nargs="*", help="retrieval: a subset of the arms")
-    parser.add_argument("--sft-steps", type=int, default=60)
+    parser.add_argument("--sft-steps", type=int, default=60, help="cold-start SFT steps (armed: 0 = RL from random weights)")
     parser.add_argument("--rl-steps", type=int, default=40)
-    parser.add_argument("--rl-lr", type=float, default=3e-4, help="retrieval suite: the GRPO arms' learning rate")
+    parser.add_argument("--rl-lr", type=float, default=3e-4, help="the GRPO arms' learning rate (armed: after a cold start)")
     parser.add_argument("--eval-limit", type=int, default=200)
     parser.add_argument("--demo-limit", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -157,8 +157,9 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:
-        demos = [{"task": t, "segments": [answer_segment(t, grammar, "Match the findings to an option.", answer_with)]}
-                 for t in tasks]
+        demos = [{"task": t, "segments": [answer_segment(
+            t, grammar, "Match the findings to an option." if t.get("options") else "Name what fits the findings.",
+            answer_with)]} for t in tasks]
     out.parent.mkdir(parents=True, exist_ok=True)
     write_jsonl(out, demos)
     return {"tasks": len(tasks), "demonstrations": len(demos), "skipped_not_retrieved": skipped, "out": str(out)}
