@@ -41,6 +41,19 @@ def task_prompt(task: dict, tokenizer, vision: ImageTokens | None) -> tuple[list
     return (vision.expand(ids, grids) if images else ids), images, grids
 
 
+def repack_lm_heads(worker) -> None:
+    """Re-derive each LM head's kernel weights from its (tied) weight, run inside a vLLM worker.
+
+    A tied LM head shares the embedding's weight, so a reload updates it in place, but vLLM reprocesses only the layers
+    it loaded weights into, and on CPU an LM head computes with a copy packed at load: it kept scoring with the old
+    embeddings (prompt logprobs off by up to 78 nats after one sync, tiny tied Qwen2). On GPU this is a no-op."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    for module in worker.get_model().modules():
+        if isinstance(module, ParallelLMHead):
+            module.quant_method.process_weights_after_loading(module)
+
+
 @ray.remote(max_restarts=3, max_task_retries=0)
 class RolloutWorker:
     """vLLM in-process inside the actor; multi-turn episodes run through `actors.environment.EpisodeRunner`.
@@ -206,6 +219,8 @@ class RolloutWorker:
         """Weights into the running engine (no restart), then drop prefixes cached under the old weights."""
         start = time.perf_counter()
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
+        if self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings:
+            self.llm.collective_rpc(repack_lm_heads)
         self.llm.reset_prefix_cache()
         if self.vision is not None:  # image embeddings computed with the old weights go too (vLLM's advice); without
             self.llm.llm_engine.reset_encoder_cache()  # this the next image request failed: "Encoder cache miss"

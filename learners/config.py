@@ -60,6 +60,8 @@ class TinyModelConfig(Strict):
     seed: int = 0
     term_tokens: bool = Field(False, description="every HPO term that annotates a disease becomes one token, so a "
                                                  "tiny model copies a phenotype as one token, not a run of BPE pieces")
+    tie_embeddings: bool = Field(False, description="the LM head shares the input embeddings, as in Qwen2.5 "
+                                                    "0.5B-3B; tied embeddings let a model copy a token it attends to")
 
     @model_validator(mode="after")
     def _head_dim(self):

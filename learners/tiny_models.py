@@ -91,8 +91,7 @@ def _model_config(cfg: TinyModelConfig, tokenizer):
         vocab_size=vocab, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads, max_position_embeddings=cfg.max_position_embeddings,
-        # Untied: vLLM-CPU repacks the LM head at load, and a tied head would keep stale weights after a sync.
-        tie_word_embeddings=False, torch_dtype="float32",
+        tie_word_embeddings=cfg.tie_embeddings, torch_dtype="float32",
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
@@ -111,7 +110,7 @@ def _model_config(cfg: TinyModelConfig, tokenizer):
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=cfg.hidden_size,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                            fullatt_block_indexes=[1]),
-        tie_word_embeddings=False, **ids)
+        tie_word_embeddings=cfg.tie_embeddings, **ids)
 
 
 def save_processor(tokenizer, out_dir: Path) -> None:

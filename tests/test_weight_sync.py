@@ -1,4 +1,7 @@
-"""The object-store weight transport: exact round trip, buckets bounded in size, previous round released."""
+"""The object-store weight transport: exact round trip, buckets bounded in size, previous round released; a tied LM
+head in vLLM follows a sync."""
+import pytest
+import ray
 import torch
 
 from cluster.weight_sync import WeightPublisher, receive_weights
@@ -27,3 +30,37 @@ def test_next_round_reuses_buffers_and_carries_new_values(ray_session):
     assert {k: v.ctypes.data for k, v in publisher.buffers.items()} == buffers
     assert torch.equal(dict(receive_weights(second))["w"], torch.ones(1000))
     assert torch.equal(dict(receive_weights(first))["w"], torch.zeros(1000))  # a reader's round stays intact
+
+
+@pytest.mark.slow
+def test_a_tied_lm_head_scores_with_the_synced_embeddings(ray_session):
+    """Qwen2.5 0.5B-3B tie the LM head to the embeddings: after a sync that changes only the embeddings, the
+    engine's logprobs must be the learner's (on CPU the head used to keep its copy packed at load)."""
+    from transformers import AutoModelForCausalLM
+
+    from actors.rollout_worker import RolloutWorker
+    from learners.config import TinyModelConfig
+    from learners.tiny_models import ensure_tiny_model
+
+    path = ensure_tiny_model(TinyModelConfig(tie_embeddings=True))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    worker = RolloutWorker.options(num_cpus=0, name="RolloutWorker-tied").remote(str(path), seed=0, threads=1)
+    sequence = list(range(5, 60))
+
+    def learner_logprobs() -> torch.Tensor:
+        with torch.no_grad():
+            logp = model(torch.tensor([sequence])).logits[0, :-1].log_softmax(-1)
+        return logp[torch.arange(len(sequence) - 1), sequence[1:]]
+
+    try:
+        with torch.no_grad():
+            model.model.embed_tokens.weight.add_(torch.randn_like(model.model.embed_tokens.weight),
+                                                 alpha=0.5)
+        manifest = WeightPublisher(bucket_mb=16).publish(
+            ((n, p.detach()) for n, p in model.named_parameters()), version=1)
+        ray.get(worker.update_weights.remote(manifest))
+        engine = torch.tensor(ray.get(worker.prompt_logprobs.remote([sequence]))[0])
+        assert torch.allclose(engine, learner_logprobs(), atol=1e-3)
+    finally:
+        ray.kill(worker)
