@@ -47,13 +47,14 @@ def cdir_neighbour(model, n_images: int) -> dict:
     corpus = read_image_corpus(default_corpus())
     retriever = LocalImageRetriever(ensure_image_index(model=model), model=model)
     nearest = [hits[0] for hits in retriever.search([t["images"][0] for t in tasks], top_k=1)]
-    same_modality = {t["metadata"]["modality"]: [r for r in corpus if r["modality"] == t["metadata"]["modality"]]
-                     for t in tasks}
-    finding = [t["metadata"]["hpo_id"] for t in tasks]
-    return {"images": len(tasks), "nearest_has_finding": sum(f in h["caption"] for f, h in zip(finding, nearest))
-            / len(tasks), "random_same_modality_has_finding": sum(
-                sum(f in r["caption"] for r in same_modality[t["metadata"]["modality"]])
-                / len(same_modality[t["metadata"]["modality"]]) for f, t in zip(finding, tasks)) / len(tasks)}
+    nearest_hit = random_hit = 0.0
+    for task, case in zip(tasks, nearest):
+        finding, modality = task["metadata"]["hpo_id"], task["metadata"]["modality"]
+        nearest_hit += finding in case["caption"]
+        same_modality = [r for r in corpus if r["modality"] == modality]
+        random_hit += sum(finding in r["caption"] for r in same_modality) / len(same_modality)
+    return {"images": len(tasks), "nearest_has_finding": nearest_hit / len(tasks),
+            "random_same_modality_has_finding": random_hit / len(tasks)}
 
 
 def main(argv: list[str] | None = None) -> None:
