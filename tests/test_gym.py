@@ -50,7 +50,9 @@ def retriever(ray_session, tasks, tmp_path_factory):
     # that has imported llvmlite (vllm/triton_utils/dispatcher.py trips over llvmlite's ffi object)
     ray_session.get(ray_session.remote(build_index).remote(str(out / "chunks.jsonl"), str(out / "index"),
                                                            config=IndexConfig(kind="none"), progress=False))
-    return Retriever.options(num_cpus=0.25).remote(str(out / "index"), config={"mode": "sparse", "top_k": 3})
+    actor = Retriever.options(num_cpus=0.25).remote(str(out / "index"), config={"mode": "sparse", "top_k": 3})
+    yield actor
+    ray_session.kill(actor)  # its CPU share would otherwise stay reserved for later tests' placement groups
 
 
 @pytest.fixture(scope="module")
