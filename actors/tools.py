@@ -361,18 +361,47 @@ def streamline_median(gray: np.ndarray, tangent: np.ndarray, coherence: np.ndarr
     return np.partition(rows_of_samples, samples // 2, axis=1)[:, samples // 2].reshape(h, w)
 
 
+def box_iou(a: list[int], b: list[int]) -> float:
+    """Intersection over union of two [x0, y0, x1, y1] boxes."""
+    w = max(0, min(a[2], b[2]) - max(a[0], b[0]))
+    h = max(0, min(a[3], b[3]) - max(a[1], b[1]))
+    return w * h / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h)
+
+
+def outlier_components(residual: np.ndarray, threshold: float, min_area: int) -> list[tuple[list[int], float]]:
+    """Connected components of the pixels where |r - median r| exceeds `threshold` robust sigmas of their
+    neighbourhood's noise floor: the larger of the image's MAD and the lower quartile of |r - median r| within about
+    32 px, so textured tissue (trabecular bone, lung markings) does not flood the mask, while a lesion covering most
+    of that window does not raise its own floor. The mask is opened, then closed; components of at least `min_area`
+    px are scored by contrast against the whole image (mean of |r - median r| / (1.4826 MAD) times sqrt(area)), so a
+    faint patch of texture does not outrank a strong lesion. Returns (box, score), best first."""
+    from scipy import ndimage
+
+    deviation = np.abs(residual - np.median(residual))
+    mad = np.median(deviation) + 1e-6
+    quarter = deviation[::4, ::4]
+    floor = ndimage.percentile_filter(quarter, 25, size=min(8, *quarter.shape))
+    floor = np.repeat(np.repeat(floor, 4, axis=0), 4, axis=1)[:residual.shape[0], :residual.shape[1]]
+    mask = deviation > threshold * 1.4826 * np.maximum(mad, floor)
+    mask = ndimage.binary_closing(ndimage.binary_opening(mask))
+    z = deviation / (1.4826 * mad)
+    labels, _ = ndimage.label(mask)
+    area = np.bincount(labels.ravel())
+    score = np.bincount(labels.ravel(), z.ravel()) / np.sqrt(np.maximum(area, 1))  # mean z * sqrt(area)
+    found = [([sl[1].start, sl[0].start, sl[1].stop, sl[0].stop], float(score[i]))
+             for i, sl in enumerate(ndimage.find_objects(labels), start=1) if area[i] >= min_area]
+    found.sort(key=lambda item: (-item[1], item[0]))
+    return found
+
+
 def candidate_regions(pixels: np.ndarray, max_regions: int, threshold: float = 4.0,
                       min_area: int = 15) -> list[tuple[list[int], float]]:
-    """Blobs and lines that the surrounding anatomy does not explain. Background: the median along the anatomy
-    (:func:`streamline_median`), which keeps elongated anatomy (cortex, ribs, edges) that an isotropic median window
-    would flag, and removes whatever crosses it. Residual r = G_1 * (I - background). A pixel is a candidate where
-    |r - median r| exceeds `threshold` robust sigmas of its neighbourhood's noise floor: the larger of the image's
-    MAD and the lower quartile of |r - median r| within about 32 px, so textured tissue (trabecular bone, lung
-    markings) does not flood the mask, while a lesion covering most of that window does not raise its own floor.
-    Candidates are connected components of that mask (opened, then closed), at least `min_area` px, scored by
-    contrast against the whole image (mean of |r - median r| / (1.4826 MAD) times sqrt(area)), so a faint patch of
-    texture does not outrank a strong lesion. Returns (box, score), best first; boxes in the input's pixel
-    coordinates."""
+    """Blobs and lines that the surrounding anatomy does not explain, at two scales. Background: the median along
+    the anatomy (:func:`streamline_median`), which keeps elongated anatomy (cortex, ribs, edges) that an isotropic
+    median window would flag, and removes whatever crosses it. Residual r = G_1 * (I - background); fine residual
+    r - G_1.5 * r. The best half of the slots (rounded up) go to :func:`outlier_components` of r, the rest to those of
+    the fine residual that do not repeat a kept box (IoU >= 0.5), then to r's next ones. Returns (box, score), in
+    that order; boxes in the input's pixel coordinates."""
     from scipy import ndimage
 
     gray = intensity(pixels)
@@ -380,24 +409,18 @@ def candidate_regions(pixels: np.ndarray, max_regions: int, threshold: float = 4
         return []
     tangent, coherence = anatomy_orientation(gray)
     residual = ndimage.gaussian_filter(gray - streamline_median(gray, tangent, coherence), 1.0)
-    deviation = np.abs(residual - np.median(residual))
-    mad = np.median(deviation) + 1e-6
-    quarter = deviation[::4, ::4]
-    floor = ndimage.percentile_filter(quarter, 25, size=min(8, *quarter.shape))
-    floor = np.repeat(np.repeat(floor, 4, axis=0), 4, axis=1)[:gray.shape[0], :gray.shape[1]]
-    mask = deviation > threshold * 1.4826 * np.maximum(mad, floor)
-    mask = ndimage.binary_closing(ndimage.binary_opening(mask))
-    z = deviation / (1.4826 * mad)
-    labels, _ = ndimage.label(mask)
-    found = []
-    for i, sl in enumerate(ndimage.find_objects(labels), start=1):
-        component = labels[sl] == i
-        area = int(component.sum())
-        if area >= min_area:
-            box = [sl[1].start, sl[0].start, sl[1].stop, sl[0].stop]
-            found.append((box, float(z[sl][component].mean() * np.sqrt(area))))
-    found.sort(key=lambda item: (-item[1], item[0]))
-    return found[:max_regions]
+    coarse = outlier_components(residual, threshold, min_area)
+    # A small lesion (6-12 px: a bone cyst's ring, a crack, a small nodule) is a faint spot on the residual's
+    # trabecular or lung texture, whose blotches are wider; removing what is smooth at 1.5 px leaves the spot on top.
+    fine = outlier_components(residual - ndimage.gaussian_filter(residual, 1.5), threshold, min_area)
+    # Large lesions rank first at r's scale: leaving r only 2 of 5 slots cost chest recall on them (0.84 -> 0.78).
+    found = coarse[:(max_regions + 1) // 2]
+    for candidate in fine + coarse[len(found):]:
+        if len(found) == max_regions:
+            break
+        if all(box_iou(candidate[0], kept) < 0.5 for kept, _ in found):
+            found.append(candidate)
+    return found
 
 
 @register_tool
