@@ -365,7 +365,8 @@ def box_iou(a: list[int], b: list[int]) -> float:
     """Intersection over union of two [x0, y0, x1, y1] boxes."""
     w = max(0, min(a[2], b[2]) - max(a[0], b[0]))
     h = max(0, min(a[3], b[3]) - max(a[1], b[1]))
-    return w * h / ((a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h)
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h
+    return w * h / union if union else 0.0
 
 
 def outlier_components(residual: np.ndarray, threshold: float, min_area: int) -> list[tuple[list[int], float]]:

@@ -36,15 +36,8 @@ def arguments_for(tool: str, task: dict, i: int) -> dict:
             "retrieve_knowledge": {"query": f"{task['metadata']['hpo_name']} {task['metadata']['region']}"}}[tool]
 
 
-def iou(a, b) -> float:
-    w = max(0, min(a[2], b[2]) - max(a[0], b[0]))
-    h = max(0, min(a[3], b[3]) - max(a[1], b[1]))
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - w * h
-    return w * h / union if union else 0.0
-
-
 def region_finder_recall(tasks: list[dict]) -> list[dict]:
-    from actors.tools import ToolCall, ToolContext, make_tool
+    from actors.tools import ToolCall, ToolContext, box_iou, make_tool
 
     tool = make_tool("find_regions")
     hits: dict[tuple[str, str], list[bool]] = {}
@@ -52,7 +45,7 @@ def region_finder_recall(tasks: list[dict]) -> list[dict]:
         context = ToolContext.from_task(task)
         boxes = tool.run_batch([ToolCall(tool.validate({"max_regions": 5}, context), context)])[0].boxes
         key = (task["metadata"]["modality"], task["metadata"]["size_stratum"])
-        hits.setdefault(key, []).append(any(iou(b, task["gold_boxes"][0]) > 0.1 for b in boxes))
+        hits.setdefault(key, []).append(any(box_iou(b, task["gold_boxes"][0]) > 0.1 for b in boxes))
     return [{"modality": m, "stratum": s, "images": len(v), "recall_at_5": float(np.mean(v))}
             for (m, s), v in sorted(hits.items())]
 
