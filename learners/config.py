@@ -62,6 +62,9 @@ class TinyModelConfig(Strict):
                                                  "tiny model copies a phenotype as one token, not a run of BPE pieces")
     tie_embeddings: bool = Field(False, description="the LM head shares the input embeddings, as in Qwen2.5 "
                                                     "0.5B-3B; tied embeddings let a model copy a token it attends to")
+    copy_pretrain_steps: int = Field(0, ge=0, description="steps of synthetic in-context copying before the model is "
+                                                         "saved (a pretrained LM's induction, which SFT alone did not "
+                                                         "teach a tiny model); 0 keeps random weights")
 
     @model_validator(mode="after")
     def _head_dim(self):
