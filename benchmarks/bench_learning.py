@@ -16,7 +16,8 @@ so only retrieval can answer), tiny Qwen2. Two cold starts of S SFT steps each, 
 The GRPO arms take R optimizer steps more than the SFT arms (S + R against S).
 Settings measured (README *Measured*): answers as text or letters; `retrieval.show=titles retrieval.link_options=true`
 shows each hit's title only, marked "(option X)" when it is an option, so reading is one letter and what the policy
-must learn is a query that retrieves the right disease.
+must learn is a query that retrieves the right disease; and that with a tiny model pre-trained to copy
+(`model.tiny.copy_pretrain_steps=5000`), the only setting where retrieval won.
 armed: ARMed's adaptive vs static semantic reward on the open-ended HPO task (text): the NCI of the semantic
 component over R GRPO steps (goal: adaptive stays >= 0.25 where static falls below 0.1), both from one SFT cold start
 of S steps on direct demonstrations (ARMed trains a model that already answers; --sft-steps 0: from random weights).

@@ -89,6 +89,13 @@ class DataConfig(Strict):
     max_prompt_tokens: int = Field(256, ge=8)
 
 
+# The fidelity check's default tolerance per dtype: above the engine-vs-learner rounding on identical weights and
+# far below a sync error (a stale tied LM head: 78 nats). Measured on CPU with a sharp tiny model (README *Fidelity*,
+# benchmarks/bench_fidelity.py): float32 5e-5 to 1.4e-4 (3.6e-4 in a training run's check), bfloat16 0.35 to 0.66.
+# float16 is unmeasured and given bfloat16's; GPU kernels' rounding is unmeasured too.
+FIDELITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 2.0, "float16": 2.0}
+
+
 class RolloutConfig(Strict):
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1, description="G rollouts per prompt")
@@ -102,7 +109,8 @@ class RolloutConfig(Strict):
     grammar: Grammar = Grammar()
     evr: EVRConfig = Field(EVRConfig(), description="MedVR's entropy-guided branching inside tool arguments")
     fidelity_check_every: int = Field(0, ge=0, description="every N steps compare engine and learner logprobs (0: off)")
-    fidelity_tolerance: float = 1e-4
+    fidelity_tolerance: float | None = Field(None, gt=0, description="max |engine - learner| logprob after a sync; "
+                                                                      "null: FIDELITY_TOLERANCE[model.dtype]")
 
     def sampling(self) -> dict:
         """What every generation turn is sampled with (vLLM SamplingParams fields)."""
@@ -269,6 +277,10 @@ class RunConfig(Strict):
 
     def dump(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
+
+    def fidelity_tolerance(self) -> float:
+        """rollout.fidelity_tolerance, or by default the one for model.dtype."""
+        return self.rollout.fidelity_tolerance or FIDELITY_TOLERANCE[self.model.dtype]
 
     def stage_plan(self) -> list[StageConfig]:
         """The run's stages; a config without any is one GRPO stage of total_steps."""

@@ -303,10 +303,10 @@ class Trainer:
                 self.judge_counts = judged
             if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
                 record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
-                if record["fidelity_max_abs_diff"] > cfg.rollout.fidelity_tolerance:
+                if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():
                     raise RuntimeError(f"rollout and learner log-probabilities differ by "
                                        f"{record['fidelity_max_abs_diff']:.2e} after the sync of step "
-                                       f"{self.step} (tolerance {cfg.rollout.fidelity_tolerance:g})")
+                                       f"{self.step} (rollout.fidelity_tolerance {cfg.fidelity_tolerance():g})")
             history.append(self.finish_step(record, step_start, bar))
         return history
 

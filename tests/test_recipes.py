@@ -7,6 +7,8 @@ from learners.config import load_config
 from learners.dry_run import device_plan, dry_run, learner_bytes
 
 RUN_CONFIGS = sorted(p for p in Path("configs").glob("*.yaml") if not p.name.startswith("serve"))
+# Max |engine - learner| logprob on identical weights, kernel rounding alone (README *Fidelity*; CPU, sharp tiny model).
+ROUNDING_MEASURED = {"float32": 3.6e-4, "bfloat16": 0.66, "float16": 0.66}
 
 
 def test_the_five_recipes_and_their_cluster_variants_exist():
@@ -21,6 +23,9 @@ def test_recipe_config_validates_and_its_plan_resolves(path):
     plan = dry_run(cfg, gpus_per_node=8, gpu_memory_gb=80)
     assert [s["name"] for s in plan["stages"]] == [s.name for s in cfg.stage_plan()]
     assert plan["parameters"] > 0
+    if cfg.rollout.fidelity_check_every:  # must not stop a run on rounding (the old 1e-4 sat below bfloat16's)
+        assert cfg.fidelity_tolerance() > ROUNDING_MEASURED[cfg.model.dtype]
+        assert load_config(path, ["rollout.fidelity_tolerance=1e-5"]).fidelity_tolerance() == 1e-5
     if path.stem.endswith("_cluster"):  # the paper's scale: GPUs for learners and rollouts, fitting in memory
         roles = {row["role"] for row in plan["placement"] if row["gpus"]}
         assert {"learner", "rollout"} <= roles and plan["gpus"] <= 8 * plan["nodes"]
