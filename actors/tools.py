@@ -12,27 +12,13 @@ from the task's absolute ``images`` paths and kept in a small per-tool LRU cache
 Coordinates are pixels of the full-resolution image, ``[x0, y0, x1, y1]`` with x1/y1 exclusive (the imaging world's
 convention): ``image[y0:y1, x0:x1]`` is the region.
 
-Plugging in a model-backed tool (MedSAM2, BiomedParse, a super-resolution network) on a cluster that has its weights
-is the same three steps as the tools below, with nothing else to change::
-
-    @register_tool
-    class Segment(ImageTool):                      # ImageTool: image index, optional box, image cache
-        name = "medsam2"
-        description = "Segment the structure inside a box; returns its mask, area and bounding box."
-        Args = SegmentArgs                         # e.g. box: Box, plus whatever prompt the model takes
-
-        def __init__(self, checkpoint: str, device: str | None = None, **kw):
-            super().__init__(**kw)
-            self.model = load_medsam2(checkpoint, device)   # resident for the actor's life
-
-        def run_batch(self, calls):                # one forward over every call's crop
-            masks = self.model.predict([self.region(c)[0] for c in calls], ...)
-            return [ToolResult(text=..., masks=[m], boxes=[mask_box(m)], measurements={"area_px": m.sum()})
-                    for m in masks]
-
-and ``tools: {medsam2: {num_gpus: 1, options: {checkpoint: /models/medsam2.pt}}}`` in the recipe's ToolsConfig
-(``actors.gym``): the factory starts ``ToolActor-medsam2-<i>`` with the model on its GPU, and the recipe lists it in
-``allowed``. Masks travel in ``ToolResult.masks`` (boolean arrays), super-resolved crops in ``ToolResult.images``.
+Model-backed tools load their network once per tool actor and run one forward per batch: ``biomedclip_labels``
+(BiomedCLIP), ``segment`` (SAM / MedSAM, actors.segmentation) and ``super_resolve`` (Swin2SR,
+actors.super_resolution). Without options they build a tiny random model of the real architecture, so recipes and
+tests run offline; on a cluster with weights, point them at a local Hugging Face directory, e.g.
+``tools: {segment: {num_gpus: 1, options: {path: /models/medsam-vit-base}}}`` in the recipe's ToolsConfig
+(``actors.gym``), and list the tool in ``allowed``. Masks travel in ``ToolResult.masks`` (boolean arrays),
+super-resolved crops in ``ToolResult.images``.
 """
 from __future__ import annotations
 
@@ -439,19 +425,28 @@ class FindRegions(ImageTool):
                           boxes=[b for b, _ in found], scores=[s for _, s in found])
 
 
+class ModelImageTool(ImageTool):
+    """An image tool with a network resident for the actor's life: `path` (a local weights directory; None: the tiny
+    offline build of the same architecture) and `device` (None: cuda if there, else cpu) go to the function that
+    `loader` names ("module:function", imported only when a tool is built: torch stays out of the rollout side)."""
+    loader: ClassVar[str]
+
+    def __init__(self, path: str | None = None, device: str | None = None, cache_size: int = 64):
+        import importlib
+
+        super().__init__(cache_size)
+        module, function = self.loader.split(":")
+        self.model = getattr(importlib.import_module(module), function)(path, device=device)
+
+
 @register_tool
-class BiomedCLIPLabels(ImageTool):
+class BiomedCLIPLabels(ModelImageTool):
     """Zero-shot labels from BiomedCLIP (actors.biomedclip): softmax over labels of the scaled cosine between the
     region's image embedding and "this is a photo of <label>"."""
     name = "biomedclip_labels"
     description = "Score candidate labels for the image or a box of it with BiomedCLIP zero-shot classification."
     Args = LabelArgs
-
-    def __init__(self, path: str | None = None, device: str | None = None, cache_size: int = 64):
-        from actors.biomedclip import load_biomedclip
-
-        super().__init__(cache_size)
-        self.model = load_biomedclip(path, device=device)
+    loader = "actors.biomedclip:load_biomedclip"
 
     def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
         """Calls that share a label list go through one zero_shot forward together."""
@@ -473,6 +468,89 @@ class BiomedCLIPLabels(ImageTool):
                 results[i] = ToolResult(text=f"biomedclip_labels: {where(calls[i].args.image, box)}: {listing}.",
                                         boxes=[box], measurements=dict(ranked))
         return results
+
+
+def forward_batch(calls: list[ToolCall], prepare, forward, finish) -> list[ToolResult]:
+    """A model-backed batch: `prepare(call)` per call (a failure is that call's error), ONE `forward` over every
+    prepared input (a failure is the error of each call in it), then `finish(call, prepared, output)` per call."""
+    results: list[ToolResult | None] = [None] * len(calls)
+    ready = []
+    for i, call in enumerate(calls):
+        try:
+            ready.append((i, prepare(call)))
+        except Exception as e:  # noqa: BLE001  one unreadable image must not fail the other episodes' calls
+            results[i] = ToolResult(error=f"{type(e).__name__}: {e}")
+    try:
+        outputs = forward([prepared for _, prepared in ready]) if ready else []
+    except Exception as e:  # noqa: BLE001
+        outputs = [e] * len(ready)
+    for (i, prepared), output in zip(ready, outputs):
+        results[i] = (ToolResult(error=f"{type(output).__name__}: {output}") if isinstance(output, Exception) else
+                      BaseTool._guarded(finish, calls[i], prepared, output))
+    return results
+
+
+class SegmentArgs(ZoomInArgs):
+    """The image and the box around the structure to segment (the segmenter's prompt)."""
+
+
+def mask_result(call: ToolCall, mask: np.ndarray) -> ToolResult:
+    """A full-image boolean mask as evidence: its area, its bounding box (the prompt box if it is empty) and the
+    share of it inside the prompt box (a mask that spills far outside the box is a poor one)."""
+    from tasks.imaging import mask_box
+
+    prompt = list(call.args.box)
+    area = int(mask.sum())
+    box = mask_box(mask) if area else prompt
+    x0, y0, x1, y1 = prompt
+    inside = float(mask[y0:y1, x0:x1].sum() / area) if area else 0.0
+    stats = {"area_px": float(area), "width_px": float(box[2] - box[0]) if area else 0.0,
+             "height_px": float(box[3] - box[1]) if area else 0.0, "inside_box": inside}
+    found = (f"mask of {area} px, bounding box [{', '.join(map(str, box))}] ({box[2] - box[0]} x {box[3] - box[1]} "
+             f"px), {inside:.0%} of it inside the box" if area else "nothing segmented")
+    return ToolResult(text=f"segment: {where(call.args.image, prompt)}: {found}.", boxes=[box], masks=[mask],
+                      measurements=stats)
+
+
+@register_tool
+class Segment(ModelImageTool):
+    """Box-prompted segmentation with SAM / MedSAM (actors.segmentation): the whole image and the box in, the
+    structure's full-image mask out."""
+    name = "segment"
+    description = "Segment the structure inside a box; returns its mask's area in pixels and its bounding box."
+    Args = SegmentArgs
+    loader = "actors.segmentation:load_segmenter"
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        def prepare(call: ToolCall) -> tuple[str, np.ndarray, list[int]]:
+            path = call.context.images[call.args.image]
+            return path, self.load(path), call.args.box
+
+        def forward(inputs: list[tuple[str, np.ndarray, list[int]]]) -> list[np.ndarray]:
+            paths, images, boxes = zip(*inputs)
+            return self.model.segment(list(images), list(boxes), keys=list(paths))
+
+        return forward_batch(calls, prepare, forward, lambda call, _, mask: mask_result(call, mask))
+
+
+@register_tool
+class SuperResolve(ModelImageTool):
+    """Super-resolution with Swin2SR (actors.super_resolution): the box (or the whole image) upscaled by the
+    model's factor (2 for the tiny default), as an image the policy looks at."""
+    name = "super_resolve"
+    description = "Upscale the image or a box of it with a super-resolution network to see fine detail."
+    Args = RegionArgs
+    loader = "actors.super_resolution:load_super_resolver"
+
+    def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
+        def finish(call: ToolCall, region: tuple[np.ndarray, list[int]], out: np.ndarray) -> ToolResult:
+            box = region[1]
+            stats = {"width": float(out.shape[1]), "height": float(out.shape[0]), "scale": float(self.model.scale)}
+            text = (f"super_resolve: {where(call.args.image, box)} upscaled x{self.model.scale} to "
+                    f"{out.shape[1]} x {out.shape[0]} px.")
+            return ToolResult(text=text, boxes=[box], measurements=stats, images=[Image.fromarray(out)])
+
+        return forward_batch(calls, self.region, lambda regions: self.model.upscale([p for p, _ in regions]), finish)
 
 
 @register_tool

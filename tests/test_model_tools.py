@@ -1,0 +1,139 @@
+"""The model-backed image tools (segment: SAM / MedSAM; super_resolve: Swin2SR) on an imaging-world image, as a
+policy and a user see them: a full-image boolean mask whose reported area and box are the mask's, a box outside the
+image that the policy reads as an error, super-resolved crops of exactly twice the crop's size, the same answers
+from the same weights loaded through `path=` (the real-weights route), and both tools served by tool actors."""
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from actors.environment import Observation
+from actors.gym import MedicalGym, ToolEnvironment, ToolsConfig, make_tool_environment
+from actors.tools import ToolCall, ToolContext, make_tool
+from tasks.imaging import CaseSpec, LesionSpec, render_case
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    """A chest X-ray with a large nodule, saved as the task's image, and the nodule's gold box."""
+    rendered = render_case(CaseSpec(0, "train", 0, "chest_xray", (LesionSpec("nodule", "large"),)))
+    path = tmp_path_factory.mktemp("model_tools") / "case.png"
+    Image.fromarray(rendered.image).save(path)
+    return {"path": str(path), "pixels": rendered.image, "box": rendered.lesions[0].box,
+            "task": {"id": "case-0", "images": [str(path)],
+                     "messages": [{"role": "user", "content": "What finding is present?"}]}}
+
+
+@pytest.fixture(scope="module")
+def segment():
+    return make_tool("segment", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def super_resolve():
+    return make_tool("super_resolve", device="cpu")
+
+
+def run(tool, case, *arguments: dict):
+    context = ToolContext((case["path"],))
+    return tool.run_batch([ToolCall(tool.validate(args, context), context) for args in arguments])
+
+
+def resaved(model_class, processor_class, source, target):
+    """The model and processor of `source`, loaded and saved again as a user's local weights directory would be."""
+    model_class.from_pretrained(source).save_pretrained(target)
+    processor_class.from_pretrained(source).save_pretrained(target)
+    return str(target)
+
+
+def bounding_box(mask: np.ndarray) -> list[int]:
+    ys, xs = np.nonzero(mask)
+    return [int(xs.min()), int(ys.min()), int(xs.max()) + 1, int(ys.max()) + 1]
+
+
+def test_segment_mask_is_the_image_shape_and_its_measurements_are_the_mask(segment, case):
+    x0, y0, x1, y1 = case["box"]
+    boxes = [case["box"], [0, 0, 224, 224], [x0 - 20, y0 - 20, x1 + 20, y1 + 20]]
+    results = run(segment, case, *({"box": b} for b in boxes))
+    masks = [r.masks[0] for r in results]
+    for r, mask, box in zip(results, masks, boxes):
+        assert r.error is None and mask.shape == case["pixels"].shape and mask.dtype == bool
+        assert r.measurements["area_px"] == mask.sum()
+        assert r.boxes == [bounding_box(mask) if mask.any() else box]
+        assert f"{int(mask.sum())} px" in r.text or "nothing segmented" in r.text
+    assert not np.array_equal(masks[0], masks[1]), "the box prompt must change the mask"
+    # one forward for the batch gives each call what it gets alone
+    alone = run(segment, case, {"box": boxes[1]})[0].masks[0]
+    assert (alone == masks[1]).mean() > 0.999
+
+
+def test_segment_box_outside_the_image_is_an_observation_the_policy_reads(case):
+    env = ToolEnvironment({"segment": [None]}, ["segment"])  # planning checks the call before any actor sees it
+    action = json.dumps({"name": "segment", "arguments": {"box": [400, 400, 460, 460]}})
+    observation = env.plan(case["task"], [], action)
+    assert isinstance(observation, Observation) and not observation.done
+    assert "lies outside image 0 (448 x 448 px)" in observation.text
+    missing = env.plan(case["task"], [], json.dumps({"name": "segment", "arguments": {}}))
+    assert isinstance(missing, Observation) and "box: Field required" in missing.text
+
+
+def test_segment_loads_the_same_weights_from_a_local_directory(segment, case, tmp_path):
+    from transformers import SamModel, SamProcessor
+
+    path = resaved(SamModel, SamProcessor, segment.model.model_dir, tmp_path / "medsam")
+    loaded = make_tool("segment", path=path, device="cpu")
+    a, b = (run(tool, case, {"box": case["box"]})[0] for tool in (segment, loaded))
+    assert np.array_equal(a.masks[0], b.masks[0]) and a.measurements == b.measurements
+
+
+def test_model_paths_are_checked_and_named(segment, super_resolve, tmp_path):
+    with pytest.raises(FileNotFoundError, match="option 'path'"):
+        make_tool("segment", path=str(tmp_path / "absent"))
+    with pytest.raises(ValueError, match="model_type 'swin2sr'; this tool loads 'sam'"):
+        make_tool("segment", path=str(super_resolve.model.model_dir))
+    config = ToolsConfig(tools={"segment": {"options": {"path": str(segment.model.model_dir)}},
+                                "super_resolve": {"num_cpus": 0.5}}, allowed=["segment", "super_resolve"])
+    assert config.allowed_tools == ["segment", "super_resolve"]
+
+
+def test_super_resolve_doubles_the_crop_and_depends_on_it(super_resolve, case):
+    boxes = [case["box"], [10, 20, 41, 37], [0, 0, 3, 5]]  # odd sizes, batched with a larger crop
+    results = run(super_resolve, case, *({"box": b} for b in boxes))
+    for r, (x0, y0, x1, y1) in zip(results, boxes):
+        assert r.error is None and r.images[0].size == (2 * (x1 - x0), 2 * (y1 - y0))
+        assert r.images[0].mode == "L" and r.measurements["width"] == 2 * (x1 - x0)
+    out = np.asarray(results[0].images[0], np.float32)
+    small = out.reshape(out.shape[0] // 2, 2, out.shape[1] // 2, 2).mean(axis=(1, 3))
+    assert small.std() > 0, "a constant image carries nothing of the crop"
+    x0, y0, x1, y1 = case["box"]
+    shifted = run(super_resolve, case, {"box": [x0 + 30, y0, x1 + 30, y1]})[0]
+    assert not np.array_equal(out, np.asarray(shifted.images[0], np.float32)), "the output must depend on the crop"
+
+
+def test_super_resolve_loads_the_same_weights_from_a_local_directory(super_resolve, case, tmp_path):
+    from transformers import Swin2SRForImageSuperResolution, Swin2SRImageProcessor
+
+    path = resaved(Swin2SRForImageSuperResolution, Swin2SRImageProcessor, super_resolve.model.model_dir,
+                   tmp_path / "swin2sr")
+    loaded = make_tool("super_resolve", path=path, device="cpu")
+    a, b = (run(tool, case, {"box": case["box"]})[0] for tool in (super_resolve, loaded))
+    assert np.array_equal(np.asarray(a.images[0]), np.asarray(b.images[0]))
+
+
+def test_tool_actors_serve_segment_and_super_resolve_in_a_gym_episode(ray_session, segment, case):
+    env = make_tool_environment({"tools": {"segment": {"options": {"path": str(segment.model.model_dir)}},
+                                           "super_resolve": {}}})
+    try:
+        gym = MedicalGym(env)
+        gym.reset(case["task"])
+        call = {"name": "segment", "arguments": {"box": case["box"]}}
+        observation, done, info = gym.step(f"<tool_call>{json.dumps(call)}</tool_call>")
+        expected = run(segment, case, {"box": case["box"]})[0]
+        assert not done and info["record"]["tool"] == "segment" and observation.text == expected.text
+        assert info["record"]["measurements"] == expected.measurements
+        call = {"name": "super_resolve", "arguments": {"box": [100, 100, 150, 140]}}
+        observation, done, info = gym.step(f"<tool_call>{json.dumps(call)}</tool_call>")
+        assert not done and info["record"]["error"] is None and observation.images[0].size == (100, 80)
+    finally:
+        env.shutdown()
