@@ -1,12 +1,15 @@
 """Tool latency and batched throughput: each tool of actors.tools on its ToolActor, over imaging-world images.
 
     python benchmarks/bench_tools.py [--calls 32] [--batches 1,8,32] [--tools zoom_in,enhance,...]
+    python benchmarks/bench_tools.py --tools segment,super_resolve --batches 1,8   # re-time some tools only
 
 Per tool: end-to-end latency of one call (driver -> actor -> result, Ray included; median and p90 of sequential
 calls), throughput of batches of B calls (one run_batch each), and the time inside the tool per call (the actor's
 own counter). Also the region finder's recall on the world's images: share of images where one of its top-5 boxes
 overlaps the target lesion's gold box (IoU > 0.1), per modality and size. retrieve_knowledge searches a BM25 index of
-a slice of the HPO knowledge base (the first 2,000 chunks). Writes benchmarks/results/tools.json.
+a slice of the HPO knowledge base (the first 2,000 chunks); biomedclip_labels, segment (SAM) and super_resolve
+(Swin2SR x2) run their tiny random builds, on the CPU. Writes benchmarks/results/tools.json; the rows of tools not
+named in --tools are kept from the file's previous run (each row says when it was measured).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TOOLS = ["zoom_in", "enhance", "find_regions", "biomedclip_labels", "retrieve_knowledge"]
+TOOLS = ["zoom_in", "enhance", "find_regions", "biomedclip_labels", "retrieve_knowledge", "segment", "super_resolve"]
 
 
 def arguments_for(tool: str, task: dict, i: int) -> dict:
@@ -33,7 +36,19 @@ def arguments_for(tool: str, task: dict, i: int) -> dict:
             "enhance": {"method": ("clahe", "denoise", "brighten")[i % 3], "box": box},
             "find_regions": {"max_regions": 5},
             "biomedclip_labels": {"labels": list(task["options"].values()), "box": box},
-            "retrieve_knowledge": {"query": f"{task['metadata']['hpo_name']} {task['metadata']['region']}"}}[tool]
+            "retrieve_knowledge": {"query": f"{task['metadata']['hpo_name']} {task['metadata']['region']}"},
+            "segment": {"box": box},
+            "super_resolve": {"box": box}}[tool]
+
+
+def kept_rows(path: Path, measured: list[str]) -> list[dict]:
+    """The previous run's rows of the tools this run does not measure, stamped with that run's time, so timing a few
+    tools does not wipe the others' numbers."""
+    if not path.is_file():
+        return []
+    previous = json.loads(path.read_text())
+    return [{**row, "measured": row.get("measured", previous["when"])} for row in previous["rows"]
+            if row["tool"] not in measured]
 
 
 def region_finder_recall(tasks: list[dict]) -> list[dict]:
@@ -91,7 +106,9 @@ def main() -> None:
                                                                  config={"mode": "sparse", "top_k": 3})
         config = ToolsConfig(tools={t: ToolActorConfig(num_cpus=0.25) for t in tools})
         actors = start_tool_actors(config, retriever)
-        rows = []
+        out_path = Path("benchmarks/results/tools.json")
+        rows = kept_rows(out_path, tools)
+        now = time.strftime("%Y-%m-%d %H:%M:%S")
         for tool in tools:
             actor, cls = actors[tool][0], tool_class(tool)
             calls = []
@@ -117,7 +134,8 @@ def main() -> None:
                 rows.append({"tool": tool, "batch": batch, "calls_per_s": n_batches * batch / seconds,
                              "latency_ms_p50": 1e3 * float(np.median(latencies)) if batch == 1 else "",
                              "latency_ms_p90": 1e3 * float(np.percentile(latencies, 90)) if batch == 1 else "",
-                             "tool_ms_per_call": 1e3 * inside})
+                             "tool_ms_per_call": 1e3 * inside, "measured": now})
+        rows.sort(key=lambda r: (TOOLS.index(r["tool"]), r["batch"]))
         out_path = report("tools", rows)
         recall = region_finder_recall(tasks[:args.recall_images])
         print("\nfind_regions recall@5 (IoU > 0.1 with the target's gold box):")
@@ -126,7 +144,9 @@ def main() -> None:
         data = json.loads(out_path.read_text())
         data["find_regions_recall"] = recall
         data["settings"] = {"calls": args.calls, "batches": batch_sizes, "cpus": os.cpu_count(),
-                            "retriever": "BM25 (sparse) over the first 2000 HPO KB chunks", "biomedclip": "tiny"}
+                            "retriever": "BM25 (sparse) over the first 2000 HPO KB chunks",
+                            "models": "tiny random builds: biomedclip, sam (256 px), swin2sr (x2)",
+                            "images": "each call of a batch on another image (no shared SAM image encoding)"}
         out_path.write_text(json.dumps(data, indent=1))
     finally:
         ray.shutdown()

@@ -98,11 +98,14 @@ def test_model_paths_are_checked_and_named(segment, super_resolve, tmp_path):
 
 
 def test_super_resolve_doubles_the_crop_and_depends_on_it(super_resolve, case):
-    boxes = [case["box"], [10, 20, 41, 37], [0, 0, 3, 5]]  # odd sizes, batched with a larger crop
+    boxes = [case["box"], [10, 20, 41, 37], [0, 0, 3, 5], [2, 0, 9, 6]]  # the last two pad alike
     results = run(super_resolve, case, *({"box": b} for b in boxes))
     for r, (x0, y0, x1, y1) in zip(results, boxes):
         assert r.error is None and r.images[0].size == (2 * (x1 - x0), 2 * (y1 - y0))
         assert r.images[0].mode == "L" and r.measurements["width"] == 2 * (x1 - x0)
+    for i in (1, 3):  # alone, and alone in its forward
+        alone = run(super_resolve, case, {"box": boxes[i]})[0]
+        assert np.array_equal(np.asarray(alone.images[0]), np.asarray(results[i].images[0])), "batch mates changed it"
     out = np.asarray(results[0].images[0], np.float32)
     small = out.reshape(out.shape[0] // 2, 2, out.shape[1] // 2, 2).mean(axis=(1, 3))
     assert small.std() > 0, "a constant image carries nothing of the crop"
