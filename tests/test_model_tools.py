@@ -78,10 +78,19 @@ def test_segment_box_outside_the_image_is_an_observation_the_policy_reads(case):
     assert isinstance(missing, Observation) and "box: Field required" in missing.text
 
 
+def published_layout(path) -> None:
+    """As wanglab/medsam-vit-base is on the Hub (saved by transformers 4): the image processor's settings in
+    preprocessor_config.json, not the processor_config.json that transformers 5 writes."""
+    settings = json.loads((path / "processor_config.json").read_text())["image_processor"]
+    (path / "processor_config.json").unlink()
+    (path / "preprocessor_config.json").write_text(json.dumps({**settings, "processor_class": "SamProcessor"}))
+
+
 def test_segment_loads_the_same_weights_from_a_local_directory(segment, case, tmp_path):
     from transformers import SamModel, SamProcessor
 
     path = resaved(SamModel, SamProcessor, segment.model.model_dir, tmp_path / "medsam")
+    published_layout(tmp_path / "medsam")
     loaded = make_tool("segment", path=path, device="cpu")
     a, b = (run(tool, case, {"box": case["box"]})[0] for tool in (segment, loaded))
     assert np.array_equal(a.masks[0], b.masks[0]) and a.measurements == b.measurements
