@@ -262,7 +262,9 @@ class MedicalGym:
 
     def step(self, action: str) -> tuple[Observation, bool, dict]:
         """One policy turn: text with a <tool_call> block (or the bare JSON call), or a final <answer>.
-        Returns the observation, whether the episode is over, and info (the turn's record, turns so far, finish)."""
+        Returns the observation, whether the episode is over, and info: the turn's record, turns so far, finish, and
+        for a call that ran ``result``, the tool's whole :class:`ToolResult` (masks included: a trajectory's record
+        keeps boxes and measurements only, since a full-image mask per turn would travel with every rollout)."""
         if self.done:
             raise RuntimeError("the episode is over: call reset(task) first")
         ep, g = self.episode, self.grammar
@@ -273,7 +275,7 @@ class MedicalGym:
             return self._end(Observation(text="", record={"answer": answer[-1].strip()}, done=True), "answer")
         if len(ep.turns) >= g.max_turns:
             return self._end(Observation(text="", record={}, done=True), "turn_limit")
-        pending = self.env.call([ep], [action])[0]
+        pending, executed = self.env.call([ep], [action])[0], {}
         if not isinstance(pending, Observation):
             ref, index = pending
             try:
@@ -283,10 +285,12 @@ class MedicalGym:
             except Exception as e:  # noqa: BLE001  as in EpisodeRunner: the policy reads that the tool failed
                 result, error = None, type(e).__name__
             pending = self.env.observe(ep, action, result, error)
+            if pending.record.get("error") is None:
+                executed["result"] = result
         ep.turns.append(pending.record)
         if pending.done:
             return self._end(pending, pending.record.get("finish", "environment"))
-        return pending, False, {"record": pending.record, "turns": len(ep.turns)}
+        return pending, False, {"record": pending.record, "turns": len(ep.turns), **executed}
 
     def _end(self, observation: Observation, finish: str) -> tuple[Observation, bool, dict]:
         self.done = True

@@ -144,6 +144,7 @@ def test_tool_actors_serve_segment_and_super_resolve_in_a_gym_episode(ray_sessio
         expected = run(segment, case, {"box": case["box"]})[0]
         assert not done and info["record"]["tool"] == "segment" and observation.text == expected.text
         assert info["record"]["measurements"] == expected.measurements
+        assert np.array_equal(info["result"].masks[0], expected.masks[0])  # the Gym caller gets the mask itself
         call = {"name": "super_resolve", "arguments": {"box": [100, 100, 150, 140]}}
         observation, done, info = gym.step(f"<tool_call>{json.dumps(call)}</tool_call>")
         assert not done and info["record"]["error"] is None and observation.images[0].size == (100, 80)
