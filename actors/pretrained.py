@@ -44,9 +44,9 @@ def ensure_tiny_pretrained(name: str, config, model_class, processor) -> Path:
     return out
 
 
-def local_model_dir(path: str | os.PathLike | None, model_type: str, tiny) -> Path:
+def local_model_dir(path: str | os.PathLike | None, model_type: str | tuple[str, ...], tiny) -> Path:
     """The directory to load: `path`, checked to be a local Hugging Face directory of `model_type` (its
-    config.json's field), or, when `path` is None, `tiny()` (the builder of the tiny default)."""
+    config.json's field; a tuple: any of them), or, when `path` is None, `tiny()` (the builder of the tiny default)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub, even by accident
     if path is None:
         return tiny()
@@ -54,8 +54,11 @@ def local_model_dir(path: str | os.PathLike | None, model_type: str, tiny) -> Pa
     if not config.is_file():
         raise FileNotFoundError(f"option 'path': {path} is not a local Hugging Face model directory (no config.json)")
     found = json.loads(config.read_text()).get("model_type")
-    if found != model_type:
-        raise ValueError(f"option 'path': {config} has model_type {found!r}; this tool loads {model_type!r}")
+    accepted = (model_type,) if isinstance(model_type, str) else tuple(model_type)
+    if found not in accepted:
+        *rest, last = map(repr, accepted)
+        listing = f"{', '.join(rest)} or {last}" if rest else last
+        raise ValueError(f"option 'path': {config} has model_type {found!r}; this tool loads {listing}")
     return Path(path)
 
 

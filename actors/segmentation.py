@@ -2,14 +2,20 @@
 2024, Nat. Commun. 15:654) uses it for medical images: the whole image through SAM's ViT encoder, a box through its
 prompt encoder, one mask from its mask decoder (``multimask_output=False``), logits > 0 upsampled to the image.
 
-* `load_segmenter(path)`: `path` is a local Hugging Face SAM directory (``config.json`` with ``model_type: sam``,
-  weights, ``preprocessor_config.json``), e.g. MedSAM as published in wanglab/medsam-vit-base, or facebook/sam-vit-*.
+SAM 2 (Ravi et al. 2024) and MedSAM2 (Zhu et al. 2025, SAM 2 fine-tuned on medical images) run the same way on one
+image: a Hiera encoder's multi-scale features, the box, one mask.
+
+* `load_segmenter(path)`: `path` is a local Hugging Face directory (``config.json``, weights, the processor's
+  settings) of either architecture, dispatched on its ``model_type``: ``sam`` (e.g. MedSAM as published in
+  wanglab/medsam-vit-base, facebook/sam-vit-*), ``sam2`` (e.g. MedSAM2's checkpoint converted with transformers' SAM 2
+  conversion script, models/sam2/convert_sam2_to_hf.py) or ``sam2_video`` (facebook/sam2.1-hiera-* as published).
 * `load_segmenter(None)`: a tiny SAM (2-layer, 64-wide ViT at 256 px, 64-wide prompt encoder and mask decoder) with
   random weights, built once (actors.pretrained) so the tool runs offline; its masks depend on the image and the box
   but mean nothing.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +25,10 @@ from actors.pretrained import default_device, ensure_tiny_pretrained, local_mode
 
 TINY_IMAGE_SIZE = 256  # SAM's patch 16 -> a 16 x 16 embedding grid, fast on a CPU
 TINY_WIDTH = 64
+# a directory's model_type -> the classes that load it; sam2_video (SAM 2 as facebook/sam2.1-hiera-* are published,
+# memory modules for video included) loads as the image model, whose weights it holds (transformers drops the rest)
+ARCHITECTURES = {"sam": ("SamModel", "SamProcessor"), "sam2": ("Sam2Model", "Sam2Processor"),
+                 "sam2_video": ("Sam2Model", "Sam2Processor")}
 
 
 def tiny_sam_config():
@@ -55,15 +65,18 @@ def rgb_image(pixels: np.ndarray) -> Image.Image:
 
 
 class BoxSegmenter:
-    """A loaded SAM / MedSAM: one boolean mask per (image, box), batched."""
+    """A loaded SAM / MedSAM or SAM 2 / MedSAM2 (the directory's ``model_type``): one boolean mask per (image, box),
+    batched."""
 
     def __init__(self, model_dir: str | Path, device: str | None = None):
-        from transformers import SamModel, SamProcessor
+        import transformers
 
         self.model_dir = Path(model_dir)
         self.device = default_device(device)
-        self.model = SamModel.from_pretrained(self.model_dir, local_files_only=True).eval().to(self.device)
-        self.processor = SamProcessor.from_pretrained(self.model_dir, local_files_only=True)
+        self.model_type = json.loads((self.model_dir / "config.json").read_text())["model_type"]
+        model_class, processor_class = (getattr(transformers, name) for name in ARCHITECTURES[self.model_type])
+        self.model = model_class.from_pretrained(self.model_dir, local_files_only=True).eval().to(self.device)
+        self.processor = processor_class.from_pretrained(self.model_dir, local_files_only=True)
 
     def segment(self, images: list[np.ndarray], boxes: list[list[int]], keys: list | None = None) -> list[np.ndarray]:
         """Full-image boolean masks, one per (uint8 image, [x0, y0, x1, y1] box) pair, in one forward. Pairs with
@@ -77,15 +90,21 @@ class BoxSegmenter:
         first: dict = {}
         rows = [first.setdefault(key, len(first)) for key in keys]  # each pair's row among the distinct images
         distinct = [keys.index(key) for key in first]
+        sam2 = self.model_type != "sam"
         with torch.inference_mode():
             embeddings = self.model.get_image_embeddings(inputs["pixel_values"][distinct].to(self.device))
-            out = self.model(image_embeddings=embeddings[rows], input_boxes=inputs["input_boxes"].to(self.device),
+            # SAM 2's embeddings are its encoder's feature levels (the mask decoder upsamples through the finer two)
+            per_pair = [level[rows] for level in embeddings] if sam2 else embeddings[rows]
+            out = self.model(image_embeddings=per_pair, input_boxes=inputs["input_boxes"].to(self.device),
                              multimask_output=False)
-        masks = self.processor.post_process_masks(out.pred_masks.cpu(), inputs["original_sizes"],
-                                                  inputs["reshaped_input_sizes"])
+        # SAM pads its resized image to a square, whose padding post-processing crops off; SAM 2 resizes to the
+        # square (its third positional parameter is the threshold)
+        padded = [] if sam2 else [inputs["reshaped_input_sizes"]]
+        masks = self.processor.post_process_masks(out.pred_masks.cpu(), inputs["original_sizes"], *padded)
         return [m[0, 0].numpy().astype(bool) for m in masks]
 
 
 def load_segmenter(path: str | None = None, device: str | None = None) -> BoxSegmenter:
-    """SAM / MedSAM from a local directory, or (path None) the tiny offline one, built and cached once."""
-    return BoxSegmenter(local_model_dir(path, "sam", ensure_tiny_sam), device=device)
+    """SAM / MedSAM or SAM 2 / MedSAM2 from a local directory, or (path None) the tiny offline SAM, built and cached
+    once."""
+    return BoxSegmenter(local_model_dir(path, tuple(ARCHITECTURES), ensure_tiny_sam), device=device)
