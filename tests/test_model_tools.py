@@ -141,7 +141,13 @@ def test_segment_loads_a_sam2_directory(sam2, case):
     assert sam2.model.model_type == "sam2"
     x0, y0, x1, y1 = case["box"]
     boxes = [case["box"], [x0 - 20, y0 - 20, x1 + 20, y1 + 20]]
-    results = run(sam2, case, *({"box": b} for b in boxes))  # one image: one encoder pass for both
+    encoded = []  # the batch sizes the image encoder sees
+    hook = sam2.model.model.vision_encoder.register_forward_hook(lambda _, args, out: encoded.append(len(args[0])))
+    try:
+        results = run(sam2, case, *({"box": b} for b in boxes))
+    finally:
+        hook.remove()
+    assert encoded == [1], "one image, one encoder pass for both calls"
     alone = [run(sam2, case, {"box": b})[0].masks[0] for b in boxes]
     for r, box, mask_alone in zip(results, boxes, alone):
         mask = r.masks[0]
