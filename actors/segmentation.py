@@ -2,8 +2,9 @@
 2024, Nat. Commun. 15:654) uses it for medical images: the whole image through SAM's ViT encoder, a box through its
 prompt encoder, one mask from its mask decoder (``multimask_output=False``), logits > 0 upsampled to the image.
 
-SAM 2 (Ravi et al. 2024) and MedSAM2 (Zhu et al. 2025, SAM 2 fine-tuned on medical images) run the same way on one
-image: a Hiera encoder's multi-scale features, the box, one mask.
+SAM 2 (Ravi et al. 2024) and MedSAM2 (Zhu et al. 2025, SAM 2.1 Hiera-T fine-tuned on medical images at 512 px) run
+the same way on one image: a Hiera encoder's multi-scale features, the box, one mask. A converted MedSAM2 directory
+must declare its 512 px (config and processor), not the 1024 of the SAM 2.1 config it is converted with.
 
 * `load_segmenter(path)`: `path` is a local Hugging Face directory (``config.json``, weights, the processor's
   settings) of either architecture, dispatched on its ``model_type``: ``sam`` (e.g. MedSAM as published in
