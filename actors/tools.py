@@ -13,7 +13,7 @@ Coordinates are pixels of the full-resolution image, ``[x0, y0, x1, y1]`` with x
 convention): ``image[y0:y1, x0:x1]`` is the region.
 
 Model-backed tools load their network once per tool actor and run one forward per batch: ``biomedclip_labels``
-(BiomedCLIP), ``segment`` (SAM / MedSAM, actors.segmentation) and ``super_resolve`` (Swin2SR,
+(BiomedCLIP), ``segment`` (SAM / MedSAM, SAM 2 / MedSAM2, actors.segmentation) and ``super_resolve`` (Swin2SR,
 actors.super_resolution). Without options they build a tiny random model of the real architecture, so recipes and
 tests run offline; on a cluster with weights, point them at a local Hugging Face directory, e.g.
 ``tools: {segment: {num_gpus: 1, options: {path: /models/medsam-vit-base}}}`` in the recipe's ToolsConfig
@@ -514,7 +514,7 @@ def mask_result(call: ToolCall, mask: np.ndarray) -> ToolResult:
 
 @register_tool
 class Segment(ModelImageTool):
-    """Box-prompted segmentation with SAM / MedSAM (actors.segmentation): the whole image and the box in, the
+    """Box-prompted segmentation with SAM / MedSAM or SAM 2 / MedSAM2 (actors.segmentation): the whole image and the box in, the
     structure's full-image mask out."""
     name = "segment"
     description = "Segment the structure inside a box; returns its mask's area in pixels and its bounding box."
