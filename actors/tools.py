@@ -514,8 +514,8 @@ def mask_result(call: ToolCall, mask: np.ndarray) -> ToolResult:
 
 @register_tool
 class Segment(ModelImageTool):
-    """Box-prompted segmentation with SAM / MedSAM or SAM 2 / MedSAM2 (actors.segmentation): the whole image and the box in, the
-    structure's full-image mask out."""
+    """Box-prompted segmentation with SAM / MedSAM or SAM 2 / MedSAM2 (actors.segmentation): the whole image and the
+    box in, the structure's full-image mask out."""
     name = "segment"
     description = "Segment the structure inside a box; returns its mask's area in pixels and its bounding box."
     Args = SegmentArgs
