@@ -15,12 +15,22 @@ and an MLP projection for text, cosine similarity scaled by a learned temperatur
   a tiny model: timm's `test_vit` (a 6-layer, 64-wide `VisionTransformer`, the class of vit_base_patch16_224) at
   BiomedCLIP's 224 px input, a 2-layer BERT, and a lowercase WordPiece tokenizer trained on HPO text. The directory
   has the published layout, so it loads through the same code path as the real weights.
+* `ensure_contrastive_biomedclip(steps)`: that tiny model after `steps` of CLIP's contrastive training (Radford et
+  al. 2021) on the imaging world's training images and their captions (never the test images), built once under its
+  own cache key in the same layout, for ``load_biomedclip(dir)`` / ``--clip dir``; the random build knows nothing of
+  the images, this one makes CDIR's nearest case informative::
+
+      python -m actors.biomedclip --steps 600 [--seed 0] [--threads 2]     # prints the directory
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import math
 import os
+import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +50,11 @@ BIOMEDCLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 BIOMEDCLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 ZERO_SHOT_TEMPLATE = "this is a photo of {}"
 WEIGHT_FILES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safetensors", "open_clip_pytorch_model.bin")
+CONTRASTIVE_BUILD_VERSION = 1  # bump when contrastive training changes what it makes
+CONTRASTIVE_DATA = "imaging:finding_mcq_train"  # one task per training image; the test split is never read
+CONTRASTIVE_BATCH = 32
+CONTRASTIVE_LR = 2e-3
+CONTRASTIVE_WEIGHT_DECAY = 0.1
 
 
 def tiny_open_clip_config() -> dict:
@@ -225,3 +240,155 @@ def load_biomedclip(path: str | None = None, device: str | None = None) -> Biome
         raise FileNotFoundError(f"BiomedCLIP directory not found: {path}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub, even by accident
     return BiomedCLIP(path if path is not None else ensure_tiny_biomedclip(), device=device)
+
+
+# ---- contrastive training of the tiny build ----
+
+def clip_loss(image_features, text_features, logit_scale):
+    """CLIP's symmetric InfoNCE (Radford et al. 2021, Fig. 3) over N matched pairs of L2-normalised features:
+    logits = exp(t) * I T^T, loss = (CE(logits, diag) + CE(logits^T, diag)) / 2, t the learned log temperature."""
+    import torch
+    import torch.nn.functional as F
+    logits = logit_scale.exp() * image_features @ text_features.T
+    labels = torch.arange(len(logits))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.T, labels)) / 2
+
+
+def training_pairs(data: str = CONTRASTIVE_DATA) -> tuple[list[str], list[str]]:
+    """Image paths and captions of the imaging world's training images, captioned as its CDIR corpus is."""
+    from learners.data import load_tasks
+    from tasks.imaging import case_caption
+    tasks = load_tasks(data)
+    return ([t["images"][0] for t in tasks],
+            [case_caption(t["metadata"]["modality"], t["metadata"]["lesions"]) for t in tasks])
+
+
+def corpus_pairs() -> tuple[list[str], list[str]]:
+    """Image paths and captions of the CDIR corpus: held out from contrastive training."""
+    from actors.image_index import default_corpus, read_image_corpus
+    rows = read_image_corpus(default_corpus())
+    return [r["image_path"] for r in rows], [r["caption"] for r in rows]
+
+
+def encode_pairs(clip: BiomedCLIP, images: list[str], captions: list[str]):
+    """BiomedCLIP's preprocessed pixels and caption tokens, computed once for every batch to index into. Tokens end
+    after the longest caption: the text tower masks padding and pools the first token, so the trailing pad columns
+    of BiomedCLIP's 256 change nothing but cost time."""
+    import torch
+    from PIL import Image
+    pixels = torch.stack([clip.preprocess(Image.open(p).convert("RGB")) for p in images])
+    tokens = clip.tokenizer(captions)
+    used = (tokens != clip.model.text.config.pad_token_id).any(dim=0).nonzero().max().item() + 1
+    return pixels, tokens[:, :used]
+
+
+def info_nce(clip: BiomedCLIP, pixels, tokens, batch_size: int = CONTRASTIVE_BATCH) -> float:
+    """Mean :func:`clip_loss` over consecutive batches of the pairs (eval mode): the held-out measure. Only batches
+    of the same size compare (chance is log N)."""
+    import torch
+    losses = []
+    with torch.inference_mode():
+        for i in range(0, len(pixels) - batch_size + 1, batch_size):
+            losses.append(clip_loss(clip.model.encode_image(pixels[i:i + batch_size], normalize=True),
+                                    clip.model.encode_text(tokens[i:i + batch_size], normalize=True),
+                                    clip.model.logit_scale).item())
+    return float(np.mean(losses))
+
+
+def train_contrastive(clip: BiomedCLIP, pixels, tokens, steps: int, seed: int, batch_size: int = CONTRASTIVE_BATCH,
+                      lr: float = CONTRASTIVE_LR, weight_decay: float = CONTRASTIVE_WEIGHT_DECAY) -> list[float]:
+    """Train ``clip.model`` in place on :func:`clip_loss` for ``steps`` batches drawn without replacement (epoch by
+    epoch, the remainder dropped) from a generator seeded with ``seed``; AdamW with a linear warm-up over the first
+    10% of steps and a cosine decay, decay only on matrices, and the temperature clipped at 100, as CLIP trains.
+    Deterministic for a seed and a thread count. Returns each step's loss."""
+    import torch
+    torch.manual_seed(seed)  # the BERT tower's dropout
+    generator = torch.Generator().manual_seed(seed)
+    model = clip.model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}], lr=lr)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / steps))))
+    batch_size = min(batch_size, len(pixels))
+    order, losses = torch.empty(0, dtype=torch.long), []
+    for _ in range(steps):
+        if len(order) < batch_size:
+            order = torch.randperm(len(pixels), generator=generator)
+        batch, order = order[:batch_size], order[batch_size:]
+        loss = clip_loss(model.encode_image(pixels[batch], normalize=True),
+                         model.encode_text(tokens[batch], normalize=True), model.logit_scale)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        with torch.no_grad():
+            model.logit_scale.clamp_(0, math.log(100))
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+def contrastive_build_key(steps: int, seed: int) -> str:
+    """The tiny build's key plus everything contrastive training reads: steps, seed, hyperparameters, build version
+    and the imaging world (its manifest checksums every task file and image)."""
+    from tasks.build_imaging import ensure_imaging_world
+    blob = json.dumps({"tiny": tiny_build_key(), "steps": steps, "seed": seed, "batch": CONTRASTIVE_BATCH,
+                       "lr": CONTRASTIVE_LR, "weight_decay": CONTRASTIVE_WEIGHT_DECAY, "data": CONTRASTIVE_DATA,
+                       "build": CONTRASTIVE_BUILD_VERSION,
+                       "world": sha256_file(ensure_imaging_world(progress=False)["manifest"])}, sort_keys=True)
+    return f"biomedclip-contrastive-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def ensure_contrastive_biomedclip(steps: int, seed: int = TINY_SEED) -> Path:
+    """Build (once) and return the directory of the tiny BiomedCLIP after ``steps`` of :func:`train_contrastive` on
+    :func:`training_pairs`: the tiny build's files with the trained weights, plus ``training.json`` (the loss curve,
+    the held-out CDIR corpus's InfoNCE before and after, seconds)."""
+    import torch
+    from safetensors.torch import save_file
+
+    out = cache_dir() / "models" / contrastive_build_key(steps, seed)
+    if (out / "open_clip_config.json").exists():
+        return out
+    tiny = ensure_tiny_biomedclip()
+    clip = BiomedCLIP(tiny, device="cpu")
+    train, held_out = encode_pairs(clip, *training_pairs()), encode_pairs(clip, *corpus_pairs())
+    before = info_nce(clip, *held_out)
+    started = time.perf_counter()
+    losses = train_contrastive(clip, *train, steps, seed)
+    seconds = time.perf_counter() - started
+    record = {"steps": steps, "seed": seed, "pairs": len(train[0]), "batch_size": CONTRASTIVE_BATCH,
+              "lr": CONTRASTIVE_LR, "threads": torch.get_num_threads(), "seconds": round(seconds, 1),
+              "held_out_info_nce": {"pairs": len(held_out[0]), "before": before, "after": info_nce(clip, *held_out)},
+              "losses": [round(v, 4) for v in losses]}
+    with building_dir(out) as tmp:
+        for file in tiny.iterdir():
+            if file.name not in WEIGHT_FILES:
+                shutil.copy2(file, tmp / file.name)
+        save_file({k: v.contiguous() for k, v in clip.model.state_dict().items()},
+                  str(tmp / "open_clip_model.safetensors"))
+        (tmp / "training.json").write_text(json.dumps(record, indent=1) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m actors.biomedclip",
+                                     description="Train the tiny BiomedCLIP contrastively on the imaging world's "
+                                                 "training images and captions; prints the model directory")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--seed", type=int, default=TINY_SEED)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    import torch
+    torch.set_num_threads(args.threads)
+    out = ensure_contrastive_biomedclip(args.steps, args.seed)
+    record = json.loads((out / "training.json").read_text())
+    held = record["held_out_info_nce"]
+    print(f"{out}\n{record['steps']} steps on {record['pairs']} pairs in {record['seconds']} s "
+          f"({record['threads']} threads); held-out InfoNCE over {held['pairs']} corpus pairs "
+          f"{held['before']:.3f} -> {held['after']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1043,21 +1043,23 @@ class ImagingTaskBuilder:
         """Image-caption pairs of similar cases for test-time image re-retrieval: one caption per image naming every
         finding, its HPO term and its region."""
         for i, case in enumerate(cases):
-            modality = MODALITIES[case.spec.modality]
-            parts = []
-            for les in case.lesions:
-                finding = FINDINGS_BY_KEY[les["finding"]]
-                parts.append(f"a {les['stratum']} {les['hpo_name'][0].lower() + les['hpo_name'][1:]} "
-                             f"({les['hpo_id']}), {finding.looks}, in the {les['region']} of the image")
-            caption = f"{modality.label[0].upper() + modality.label[1:]} showing " + "; ".join(parts) + "."
             yield {
                 "id": f"cdir-{i:06d}",
                 "image": case.image,
-                "caption": caption,
-                "modality": modality.key,
+                "caption": case_caption(case.spec.modality, case.lesions),
+                "modality": case.spec.modality,
                 "findings": case.lesions,
                 "kb_doc_ids": [f"term:{les['hpo_id']}" for les in case.lesions],
             }
+
+
+def case_caption(modality_key: str, lesions: list[dict]) -> str:
+    """An image's caption as the CDIR corpus writes it: every lesion (as :meth:`Lesion.describe` gives it, e.g. a
+    task's ``metadata["lesions"]``) with its size, HPO term, look and region."""
+    label = MODALITIES[modality_key].label
+    parts = [f"a {les['stratum']} {les['hpo_name'][0].lower() + les['hpo_name'][1:]} ({les['hpo_id']}), "
+             f"{FINDINGS_BY_KEY[les['finding']].looks}, in the {les['region']} of the image" for les in lesions]
+    return f"{label[0].upper() + label[1:]} showing " + "; ".join(parts) + "."
 
 
 def _listing(options: dict[str, str]) -> str:
