@@ -108,8 +108,9 @@ def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | No
     vectors = embed_corpus_images(model, rows, batch_size, progress)
     seconds = time.perf_counter() - started
     manifest = {"format": IMAGE_INDEX_FORMAT, "kind": "image",
-                "encoder": {"identity": model.identity, "path": None if clip_path is None else
-                            str(Path(clip_path).resolve()), "dim": int(vectors.shape[1])},
+                # the directory of the encoder used, however it was given (model or clip_path), so a retriever
+                # opening this index loads that encoder and not the tiny default
+                "encoder": {"identity": model.identity, "path": str(model.model_dir), "dim": int(vectors.shape[1])},
                 "corpus": {"source": str(corpus.resolve()), "sha256": corpus_sha256(corpus, rows), "rows": len(rows)},
                 "encoding": {"seconds": round(seconds, 2), "images_per_s": round(len(rows) / seconds, 2),
                              "batch_size": batch_size, "device": model.device},

@@ -112,6 +112,19 @@ def test_index_refuses_another_encoder_or_corpus(clip, corpus, index, tmp_path):
         LocalImageRetriever(index, model=clip, corpus=changed)
 
 
+def test_an_index_opens_with_the_encoder_it_was_built_with(clip, corpus, tmp_path):
+    """An index built with an encoder passed as an object records that encoder's directory, so opening the index
+    without naming an encoder loads that one and not the tiny default (which raised IndexMismatchError)."""
+    other = tmp_path / "clip"
+    shutil.copytree(clip.model_dir, other)
+    config = other / "open_clip_config.json"
+    config.write_text(config.read_text() + "\n")  # the same weights under another identity
+    model = load_biomedclip(str(other))
+    assert model.identity != clip.identity
+    build_image_index(tmp_path / "index", corpus, model, progress=False)
+    assert LocalImageRetriever(tmp_path / "index").model.identity == model.identity
+
+
 def test_image_retriever_actor_searches(ray_session, corpus, index):
     from actors.image_index import ImageRetriever
     actor = ImageRetriever.options(num_cpus=0).remote(str(index))
