@@ -55,9 +55,7 @@ def encoder_row(name: str, clip_dir: str | None, args) -> dict:
     from benchmarks.bench_clip import cdir_neighbour
 
     model = load_biomedclip(clip_dir)
-    # Index first: its manifest must record clip_dir, from which the evaluation's ImageRetriever loads the encoder;
-    # cdir_neighbour then finds it current and reuses it.
-    index_dir = ensure_image_index(model=model, clip_path=clip_dir, progress=True)
+    index_dir = ensure_image_index(model=model, progress=True)  # the evaluation's ImageRetriever loads its encoder
     neighbour = cdir_neighbour(model, args.cdir_images)
     result = evaluate_with_cdir(name, index_dir, args)
     cdir, n = result["cdir"], result["cdir"]["n"]
