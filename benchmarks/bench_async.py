@@ -29,7 +29,7 @@ def main() -> None:
     rows = []
     for mode in ("sync", "one_step_off"):
         with tempfile.TemporaryDirectory() as out:
-            cfg = load_config("configs/quickstart.yaml", [f"async={mode}", f"total_steps={args.steps}",
+            cfg = load_config("configs/tiny.yaml", [f"async={mode}", f"total_steps={args.steps}",
                                                           f"output_dir={out}", "checkpoint.every=1000",
                                                           "rollout.fidelity_check_every=0", *args.overrides])
             history = Trainer(cfg).fit()[2:-1]  # no warm-up, no final checkpoint

@@ -1,11 +1,15 @@
-"""Proof, at tiny scale, that the recipes learn what the papers report (issue 7), on this machine.
+"""Proof that the recipes learn what the papers report, on this machine.
 
+    python benchmarks/bench_learning.py --suite quickstart [--seeds 0 1] [key=value ...]
     python benchmarks/bench_learning.py --suite retrieval [--sft-steps 60 --rl-steps 40 --eval-limit 200] [key=value ...]
     python benchmarks/bench_learning.py --suite armed [--sft-steps 60 --rl-steps 40]
 
 key=value overrides (e.g. a larger tiny model: model.tiny.hidden_size=256) apply to every arm, its demonstrations and
 its evaluation; --name keeps each setting's runs apart (outputs/bench_learning/<name>/).
 
+quickstart: configs/quickstart.yaml as shipped (SmolLM2-135M-Instruct: cold start on expert demonstrations, then GRPO
+with retrieval), once per seed; the held-out accuracy of the base model, after the cold start and after GRPO (the
+run's own evaluations, hpo:mcq_test), with the wall-clock of the whole run including start-up.
 retrieval: the HPO diagnosis task, evaluated on held-out diseases (hpo:mcq_test: no test disease occurs in training,
 so only retrieval can answer), tiny Qwen2. Two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
   sft_only            SFT on scripted-expert retrieval demonstrations (tasks/expert.py), S steps
@@ -30,6 +34,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +44,7 @@ from benchmarks.common import report  # noqa: E402
 
 PYTHON = sys.executable
 RUNS = ROOT / "outputs" / "bench_learning"  # /<--name>/: one folder per setting
+TINY = "configs/tiny.yaml"  # the retrieval and armed suites' tiny random model
 SINGLE_TURN = ["rollout.grammar.action_tag=null", "retrieval=null"]
 # A query lists a case's phenotypes (~40-60 tokens): room for it in one generation turn, for training and evaluation.
 LENGTHS = ["rollout.max_new_tokens=96", "rollout.grammar.max_response_tokens=320"]
@@ -58,7 +64,7 @@ def demonstrations(runs: Path, kind: str, args, data: str = "hpo:mcq_train") -> 
     split = "" if data == "hpo:mcq_train" else f"{data.split(':')[-1]}_"
     out = runs / f"demos_{kind}_{split}{args.answer_with}.jsonl"
     if not out.exists():
-        cfg = load_config(ROOT / "configs/quickstart.yaml", args.overrides + (SINGLE_TURN if kind == "direct" else []))
+        cfg = load_config(ROOT / TINY, args.overrides + (SINGLE_TURN if kind == "direct" else []))
         print(write_demonstrations(cfg, data, out, args.demo_limit, answer_with=args.answer_with))
     return out
 
@@ -67,7 +73,7 @@ def train(out: Path, overrides: list[str]) -> tuple[Path, float, list[dict]]:
     """Train (unless a finished run is there); its checkpoint, its training seconds (the logged steps', so a run
     reused later keeps its time) and its metrics."""
     if not (out / "checkpoints" / "latest").exists():
-        subprocess.run([PYTHON, "learners/run.py", "--config", "configs/quickstart.yaml", f"output_dir={out}",
+        subprocess.run([PYTHON, "learners/run.py", "--config", TINY, f"output_dir={out}",
                         "logging.progress_bar=false", "checkpoint.every=1000", *LENGTHS, *WARMUP, *overrides], cwd=ROOT,
                        check=True)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -77,7 +83,7 @@ def train(out: Path, overrides: list[str]) -> tuple[Path, float, list[dict]]:
 def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
     out = checkpoint.parent.parent / "eval_test"
     if not (out / "eval.json").exists():
-        subprocess.run([PYTHON, "-m", "learners.evaluate", "--config", "configs/quickstart.yaml", "--checkpoint",
+        subprocess.run([PYTHON, "-m", "learners.evaluate", "--config", TINY, "--checkpoint",
                         str(checkpoint), "--data", "hpo:mcq_test", "--limit", str(limit), "--out", str(out),
                         *LENGTHS, *overrides], cwd=ROOT, check=True)
     return json.loads((out / "eval.json").read_text())
@@ -87,6 +93,37 @@ def cold_start(steps: int, demos: Path) -> list[str]:
     """Overrides for a run that is one SFT stage of `steps` steps on `demos`."""
     return [f"total_steps={steps}",
             "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: 32}}]" % (steps, demos)]
+
+
+def quickstart_suite(args) -> list[dict]:
+    """The shipped quickstart once per seed: one row per evaluation of the run (base, after the cold start, after
+    GRPO), read from the run's own eval.json; the run's wall-clock includes Ray and actor start-up."""
+    rows = []
+    for seed in args.seeds:
+        out = RUNS / args.name / f"quickstart_seed{seed}"
+        wall = None
+        if not (out / "eval.json").exists():
+            start = time.perf_counter()
+            subprocess.run([PYTHON, "learners/run.py", "--config", "configs/quickstart.yaml", f"output_dir={out}",
+                            f"seed={seed}", "logging.progress_bar=false", *args.overrides], cwd=ROOT, check=True)
+            wall = time.perf_counter() - start
+        from learners.config import load_config
+        from learners.validation import weights_label
+        cfg = load_config(out / "config.yaml")
+        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        timing = {"train_minutes": round(sum(m.get("step_s", 0.0) for m in metrics) / 60, 1),
+                  "eval_minutes": round(sum(m.get("eval_s", 0.0) for m in metrics) / 60, 1),
+                  "wall_minutes": round(wall / 60, 1) if wall else None}
+        for split, by_step in json.loads((out / "eval.json").read_text())["splits"].items():
+            for step, m in sorted(by_step.items(), key=lambda item: int(item[0])):
+                acc = m["accuracy"]
+                rows.append({"seed": seed, "split": split, "weights": weights_label(cfg, int(step)), "step": int(step),
+                             "accuracy": round(acc["mean"], 4), "ci95": f"[{acc['low']:.3f}, {acc['high']:.3f}]",
+                             "n": acc["n"], "format_rate": round(m["format_rate"]["mean"], 3),
+                             "retrievals_per_question": round(m["env_calls_per_sample"], 2),
+                             "gold_retrieved": round(m["gold_retrieved"]["mean"], 3) if "gold_retrieved" in m else None,
+                             **timing})
+    return rows
 
 
 def retrieval_suite(args) -> list[dict]:
@@ -174,7 +211,8 @@ def plot(rows: list[dict], suite: str, curves: dict | None = None, setting: str 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=["retrieval", "armed"], required=True)
+    parser.add_argument("--suite", choices=["quickstart", "retrieval", "armed"], required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="quickstart: one run per seed")
     parser.add_argument("--arms", nargs="*", help="retrieval: a subset of the arms")
     parser.add_argument("--sft-steps", type=int, default=60, help="cold-start SFT steps (armed: 0 = RL from random weights)")
     parser.add_argument("--rl-steps", type=int, default=40)
@@ -187,13 +225,13 @@ def main() -> None:
     parser.add_argument("--name", default="default", help="runs go to outputs/bench_learning/<name>/")
     parser.add_argument("overrides", nargs="*", help="key=value for every arm (e.g. model.tiny.hidden_size=256)")
     args = parser.parse_args()
-    rows = retrieval_suite(args) if args.suite == "retrieval" else armed_suite(args)
+    rows = {"quickstart": quickstart_suite, "retrieval": retrieval_suite, "armed": armed_suite}[args.suite](args)
     rows = [{**r, "setting": args.name, "command": " ".join(sys.argv[1:])} for r in rows]
     previous = ROOT / "benchmarks" / "results" / f"learning_{args.suite}.json"
     if previous.exists():  # arms run earlier (e.g. one at a time) keep their rows unless run again
-        done = {(r["setting"], r["arm"]) for r in rows}
+        done = {(r["setting"], r.get("arm"), r.get("seed")) for r in rows}
         rows = [r for r in json.loads(previous.read_text())["rows"]
-                if (r.get("setting", "default"), r["arm"]) not in done] + rows
+                if (r.get("setting", "default"), r.get("arm"), r.get("seed")) not in done] + rows
     report(f"learning_{args.suite}", rows)
     if args.suite == "retrieval":
         plot([r for r in rows if r.get("setting", "default") == args.name], "retrieval", setting=args.name)

@@ -5,7 +5,7 @@
                                        [run overrides ...]
 
 1. Reward share of a step (target < 20%): the mean of reward_s / step_s over a quickstart-size run's metrics.jsonl,
-   either given with --metrics or made by running `learners/run.py --config configs/quickstart.yaml
+   either given with --metrics or made by running `learners/run.py --config configs/tiny.yaml
    total_steps=<steps> output_dir=/tmp/bench_rw_<pid>` (extra dotted overrides are passed on, e.g. a different
    rewards list). The first step (engine warm-up) and, with 3+ steps, the last (it writes a checkpoint) are left out.
 2. Batched BERTScore F1 and CosSim (rewards/semantic.py, the offline all-MiniLM-L6-v2) in pairs/s at a few batch
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 def run_quickstart(steps: int, overrides: list[str]) -> Path:
     """Train the quickstart config for `steps` steps in a fresh /tmp directory; returns its metrics.jsonl."""
     out = Path(f"/tmp/bench_rw_{os.getpid()}_{int(time.time())}")
-    cmd = [sys.executable, "learners/run.py", "--config", "configs/quickstart.yaml", f"total_steps={steps}",
+    cmd = [sys.executable, "learners/run.py", "--config", "configs/tiny.yaml", f"total_steps={steps}",
            f"output_dir={out}", "logging.progress_bar=false", *overrides]
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)

@@ -76,7 +76,9 @@ class TinyModelConfig(Strict):
 
 
 class ModelConfig(Strict):
-    path: str | None = Field(None, description="local Hugging Face model directory; null builds the tiny model")
+    path: str | None = Field(None, description="local Hugging Face model directory, or an alias of a real model "
+                                               "built offline (tasks/model_aliases.py: smollm2-135m-instruct); "
+                                               "null builds the tiny random model")
     size_hint_b: float | None = Field(None, gt=0, description="parameters (billions) for --dry-run's memory estimate "
                                                                "where model.path is not readable")
     tiny: TinyModelConfig = TinyModelConfig()
@@ -137,6 +139,10 @@ class LearnerConfig(Strict):
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward on one rank")
     gradient_checkpointing: bool = False
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="dtype of the learner's forward and backward (torch.autocast); weights, gradients and "
+                               "optimizer state stay in model.dtype. bfloat16 pays off on GPUs and on CPUs with "
+                               "AVX512-BF16 or AMX; without them its matmuls are emulated and far slower")
 
 
 class RetrievalSection(Strict):
@@ -179,8 +185,10 @@ class SFTConfig(Strict):
     """Supervised fine-tuning data of an `sft` stage: cross-entropy on the policy's tokens, with the same masks as RL
     (retrieved text and tool observations are never targets)."""
     data: str = Field(..., description="JSONL of demonstrations {task, segments: [{role: policy|environment, text}]}"
-                                       " (python -m tasks.expert writes them), or 'self': the policy's own rollouts on "
-                                       "representative questions of data.train (ARMed's knowledge injection)")
+                                       " (python -m tasks.expert writes them); 'expert': the scripted expert's "
+                                       "demonstrations on data.train, written on first use under output_dir/stages/; "
+                                       "or 'self': the policy's own rollouts on representative questions of "
+                                       "data.train (ARMed's knowledge injection)")
     batch_size: int = Field(32, ge=1, description="demonstrations per optimizer step")
     shuffle: bool = True
     min_answer_frequency: int = Field(1, ge=0, description="self: tau, answers occurring more often form D_core")
@@ -219,6 +227,17 @@ class CheckpointConfig(Strict):
     keep_last: int = Field(2, ge=1)
 
 
+class EvalConfig(Strict):
+    """Held-out evaluation on the run's own rollout workers (greedy, the run's grammar and environment), written under
+    output_dir/eval/step_<N>/<split>/ and logged as eval/<split>/<metric>."""
+    data: list[str] = Field(..., min_length=1, description="task splits: JSONL files or <world>:<split>")
+    limit: int | None = Field(None, ge=1, description="the first N tasks of each split")
+    every: int = Field(0, ge=0, description="evaluate every N steps (0: only at start and end)")
+    at_start: bool = Field(True, description="evaluate the starting weights before the first step (the base)")
+    at_end: bool = Field(True, description="evaluate the final weights; with at_start, eval.md compares the two")
+    batch_size: int = Field(64, ge=1, description="tasks per rollout call on one worker")
+
+
 class LoggingConfig(Strict):
     tensorboard: bool = True
     progress_bar: bool = True
@@ -242,6 +261,7 @@ class RunConfig(Strict):
     learner: LearnerConfig = LearnerConfig()
     rewards: RewardsConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig | None = Field(None, description="held-out evaluation during and after training")
     logging: LoggingConfig = LoggingConfig()
     stages: list[StageConfig] = Field(default_factory=list,
                                       description="empty: one GRPO stage of total_steps; else steps must sum to it")
@@ -279,8 +299,10 @@ class RunConfig(Strict):
         return self.model_dump(mode="json", by_alias=True)
 
     def fidelity_tolerance(self) -> float:
-        """rollout.fidelity_tolerance, or by default the one for model.dtype."""
-        return self.rollout.fidelity_tolerance or FIDELITY_TOLERANCE[self.model.dtype]
+        """rollout.fidelity_tolerance, or by default the one for the coarser of model.dtype and the learner's
+        compute dtype."""
+        return self.rollout.fidelity_tolerance or max(FIDELITY_TOLERANCE[self.model.dtype],
+                                                      FIDELITY_TOLERANCE[self.learner.compute_dtype])
 
     def stage_plan(self) -> list[StageConfig]:
         """The run's stages; a config without any is one GRPO stage of total_steps."""

@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 
 from learners.config import RunConfig
+from tasks.model_aliases import ALIASES, ensure_alias_model
 
 GiB = 2**30
 
@@ -26,7 +27,10 @@ def parameter_count(cfg: RunConfig) -> tuple[int, str]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
+    if cfg.model.path in ALIASES:
+        path = ensure_alias_model(cfg.model.path)
+        config, source = AutoConfig.from_pretrained(path), f"{path}/config.json"
+    elif cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
         config, source = AutoConfig.from_pretrained(cfg.model.path), f"{cfg.model.path}/config.json"
     elif cfg.model.path and cfg.model.size_hint_b:
         return int(cfg.model.size_hint_b * 1e9), f"model.size_hint_b ({cfg.model.path} is not readable here)"

@@ -58,6 +58,9 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
                "env_calls_per_sample": sum(s["env_calls"] for s in summaries) / n,
                "env_errors": sum(s["env_errors"] for s in summaries)}
     mcq = [t for t in trajectories if t.task.get("options")]
+    with_gold_doc = [t for t in mcq if (t.task.get("metadata") or {}).get("kb_doc_id")]
+    if with_gold_doc and any(t.turns for t in with_gold_doc):  # the policy could retrieve the gold document
+        metrics["gold_retrieved"] = mean_interval([gold_retrieved(t) for t in with_gold_doc])
     if mcq:
         correct = sum(answer_correct(t) for t in mcq)
         low, high = wilson_interval(correct, len(mcq))
@@ -71,6 +74,12 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
         for name, fn in pairwise.items():
             metrics[name] = {**mean_interval(score_against_gold(open_ended, fn)), "n": len(open_ended)}
     return metrics
+
+
+def gold_retrieved(trajectory) -> bool:
+    """Whether any retrieval of the episode returned the task's gold knowledge-base document."""
+    gold = trajectory.task["metadata"]["kb_doc_id"]
+    return any(chunk.get("doc_id") == gold for turn in trajectory.turns for chunk in turn.get("chunks", []))
 
 
 def write_samples(path: Path, trajectories: list) -> None:
@@ -108,15 +117,45 @@ def cdir_markdown(summary: dict) -> str:
     return "\n### CDIR (Med-RwR test-time image re-retrieval)\n\n" + "\n".join(rows) + "\n"
 
 
+def text_only_view(tasks: list[dict], policy_path: str) -> list[dict]:
+    """The tasks as a text-only policy reads them: without their images (it cannot take them)."""
+    from actors.environment import ImageTokens
+    return [{**t, "images": []} for t in tasks] if ImageTokens.for_model(policy_path) is None else tasks
+
+
+def run_episodes(workers: list, tasks: list[dict], sampling: dict, seed: int, batch_size: int = 64,
+                 grammar: dict | None = None, desc: str = "evaluate") -> tuple[list, list[dict]]:
+    """One episode per task on `workers` (spread evenly, `batch_size` tasks per call on each), in task order;
+    returns the trajectories and the workers' summaries."""
+    import ray
+    from tqdm import tqdm
+
+    trajectories, summaries = [], []
+    with tqdm(total=len(tasks), desc=desc, unit="task", leave=False) as bar:
+        for start in range(0, len(tasks), batch_size * len(workers)):
+            batch = tasks[start:start + batch_size * len(workers)]
+            chunks = np.array_split(np.arange(len(batch)), len(workers))
+            refs = [w.rollout.options(num_returns=2).remote([batch[i] for i in c], c.tolist(), 1, sampling, seed,
+                                                            grammar)
+                    for w, c in zip(workers, chunks) if len(c)]
+            for traj_ref, summary_ref in refs:
+                trajectories += ray.get(traj_ref)
+                summaries.append(ray.get(summary_ref))
+            bar.update(len(batch))
+    return trajectories, summaries
+
+
+def greedy_sampling(cfg) -> dict:
+    return {"temperature": 0.0, "max_tokens": cfg.rollout.max_new_tokens, "stop": cfg.rollout.stop}
+
+
 def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int = 64, cdir: bool = False,
              image_index: str | None = None, cdir_threshold: float = 0.8, samples: Path | None = None) -> dict:
     """Greedy episodes for every task of `data` on rollout workers loaded from `checkpoint`, then their metrics;
     with `cdir`, Med-RwR's image re-retrieval over `image_index` afterwards, its summary under "cdir". `samples`:
     a JSONL to write each episode to (task id, gold, the response text, its answer and whether it is correct)."""
     import ray
-    from tqdm import tqdm
 
-    from actors.environment import ImageTokens
     from actors.rollout_worker import RolloutWorker
     from cluster.environments import environment_roles, start_environment, tool_demand
     from cluster.placement import place
@@ -125,8 +164,6 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
 
     start_or_join(cfg.cluster)
     tasks = load_tasks(data)[:limit]
-    text_only = ImageTokens.for_model(checkpoint) is None
-    shown = [{**t, "images": []} if text_only else t for t in tasks]  # a text-only policy cannot take images
     placement = place(cfg.cluster, roles=("rollout",) + environment_roles(cfg), others=tool_demand(cfg))
     environment = start_environment(cfg, placement)
     workers = [RolloutWorker.options(**placement.options("rollout", i, f"EvalRolloutWorker-{i}")).remote(
@@ -134,20 +171,10 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
         max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
         grammar=cfg.rollout.grammar.model_dump(), environment=environment) for i in range(cfg.cluster.rollout.num)]
     image_retriever = None
-    sampling = {"temperature": 0.0, "max_tokens": cfg.rollout.max_new_tokens, "stop": cfg.rollout.stop}
-    trajectories, summaries = [], []
+    sampling = greedy_sampling(cfg)
     try:
-        with tqdm(total=len(tasks), desc="evaluate", unit="task") as bar:
-            for start in range(0, len(tasks), batch_size * len(workers)):
-                batch = shown[start:start + batch_size * len(workers)]
-                chunks = np.array_split(np.arange(len(batch)), len(workers))
-                refs = [w.rollout.options(num_returns=2).remote([batch[i] for i in c], c.tolist(), 1, sampling,
-                                                                cfg.seed)
-                        for w, c in zip(workers, chunks) if len(c)]
-                for traj_ref, summary_ref in refs:
-                    trajectories += ray.get(traj_ref)
-                    summaries.append(ray.get(summary_ref))
-                bar.update(len(batch))
+        trajectories, summaries = run_episodes(workers, text_only_view(tasks, checkpoint), sampling, cfg.seed,
+                                               batch_size)
         for traj, task in zip(trajectories, tasks):
             traj.task = task  # scoring and CDIR read the task as written, images included
         metrics = score(trajectories, summaries)
@@ -173,6 +200,13 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
     return metrics
 
 
+def write_report(out: Path, metrics: dict, title: str, header: dict) -> None:
+    """eval.json (`header`, then the metrics) and eval.md into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps({**header, **metrics}, indent=1))
+    (out / "eval.md").write_text(markdown(metrics, title))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
@@ -193,9 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     metrics = evaluate(cfg, args.checkpoint, args.data, args.limit, cdir=args.cdir, image_index=args.image_index,
                        cdir_threshold=args.cdir_threshold, samples=out / "samples.jsonl")
-    (out / "eval.json").write_text(json.dumps({"checkpoint": args.checkpoint, "data": args.data, **metrics}, indent=1))
-    (out / "eval.md").write_text(markdown(metrics, f"{args.checkpoint} on {args.data}"))
-    print(markdown(metrics, f"{args.checkpoint} on {args.data}"))
+    title = f"{args.checkpoint} on {args.data}"
+    write_report(out, metrics, title, {"checkpoint": args.checkpoint, "data": args.data})
+    print(markdown(metrics, title))
     return 0
 
 

@@ -1,6 +1,7 @@
 """LearnerGroup: K Ray actors training the policy with DeepSpeed (ZeRO-2/3), gloo on CPU and NCCL on GPU."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -11,9 +12,11 @@ import torch
 
 from actors.environment import ImageTokens
 from actors.trajectory import Trajectory
-from cluster.devices import accelerator, init_deepspeed_distributed, pin_threads
+from cluster.devices import accelerator, fast_bfloat16, init_deepspeed_distributed, pin_threads
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import algorithm as algo
+
+log = logging.getLogger("medray.learner")
 
 
 def load_causal_lm(path: str, dtype: torch.dtype):
@@ -76,15 +79,24 @@ def pad_batch(trajs: list[Trajectory], pad_id: int, vision: ImageTokens | None =
             **image_inputs(input_ids, images, vision, [g for t in trajs for g in t.image_grids])}
 
 
-def forward_logp(module, batch: dict, with_entropy: bool, temperature: float):
+def forward_logp(module, batch: dict, with_entropy: bool, temperature: float,
+                 compute_dtype: torch.dtype | None = None):
     """Logprobs (and entropies) of a `pad_batch`'s targets, [B, L-1-F]. The LM head, log-softmax and entropy run
     on the `keep` positions that predict response tokens only: with prompts much longer than responses (retrieval,
-    images) that is most of a tiny model's learner time, as TRL's `logits_to_keep` also found."""
+    images) that is most of a tiny model's learner time, as TRL's `logits_to_keep` also found. `compute_dtype`:
+    the model's matmuls under autocast in that dtype; log-softmax and entropy stay in float32."""
     keep = int(batch["keep"])
-    logits = module(**model_inputs(batch), logits_to_keep=keep).logits[:, :-1]
+    with autocast(batch["input_ids"].device.type, compute_dtype):
+        logits = module(**model_inputs(batch), logits_to_keep=keep).logits[:, :-1].float()
     logp = algo.token_logprobs(logits, batch["input_ids"][:, 1 - keep:], temperature)
     entropy = algo.token_entropy(logits.detach(), temperature) if with_entropy else None
     return logp, entropy
+
+
+def autocast(device_type: str, compute_dtype: torch.dtype | None):
+    """torch.autocast in `compute_dtype`, or a no-op for None / float32."""
+    enabled = compute_dtype not in (None, torch.float32)
+    return torch.autocast(device_type, dtype=compute_dtype if enabled else None, enabled=enabled)
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -125,6 +137,10 @@ class LearnerWorker:
         self.cfg = cfg
         learner, model_cfg = cfg["learner"], cfg["model"]
         dtype = getattr(torch, model_cfg["dtype"])
+        self.compute_dtype = getattr(torch, learner["compute_dtype"])
+        if self.compute_dtype == torch.bfloat16 and not fast_bfloat16(self.device):
+            log.warning("learner.compute_dtype=bfloat16 on a %s without native bfloat16 (no AVX512-BF16/AMX): its "
+                        "matmuls are emulated and far slower than float32", self.device)
         model = load_causal_lm(model_path, dtype)
         if learner["gradient_checkpointing"]:
             model.gradient_checkpointing_enable()
@@ -189,7 +205,8 @@ class LearnerWorker:
                 batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id, self.vision)
                 batch = {k: v.to(self.device) for k, v in batch.items()}
                 logp, entropy = forward_logp(self.engine, batch, with_entropy=True,
-                                             temperature=temperature if objective == "grpo" else 1.0)
+                                             temperature=temperature if objective == "grpo" else 1.0,
+                                             compute_dtype=self.compute_dtype)
                 if objective == "sft":
                     loss, s = algo.sft_loss(logp, batch["mask"], global_denominator=denominator)
                 else:
@@ -197,7 +214,7 @@ class LearnerWorker:
                     if self.reference is not None:
                         with torch.no_grad():
                             ref_logp, _ = forward_logp(self.reference, batch, with_entropy=False,
-                                                       temperature=temperature)
+                                                       temperature=temperature, compute_dtype=self.compute_dtype)
                     adv = shard_adv[m * micro:(m + 1) * micro].to(self.device)
                     loss, s = algo.grpo_loss(logp, batch["old_logp"], adv, batch["mask"], eps_low=alg["eps_low"],
                                              eps_high=alg["eps_high"], loss_agg=alg["loss_agg"], ref_logp=ref_logp,
@@ -268,7 +285,8 @@ class LearnerWorker:
             for seq, seq_images in zip(sequences, images or [[]] * len(sequences)):
                 ids = torch.tensor([seq], device=self.device)
                 pixels = {k: v.to(self.device) for k, v in image_inputs(ids, seq_images, self.vision).items()}
-                logits = self.engine.module(input_ids=ids, **pixels).logits[:, :-1]
+                with autocast(self.device, self.compute_dtype):
+                    logits = self.engine.module(input_ids=ids, **pixels).logits[:, :-1].float()
                 out.append(algo.token_logprobs(logits, ids[:, 1:]).squeeze(0).tolist())
         return out
 

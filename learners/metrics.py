@@ -9,7 +9,7 @@ from pathlib import Path
 
 from learners.config import LoggingConfig
 
-BAR_KEYS = [("reward_mean", "reward"), ("accuracy", "acc"), ("response_length", "len"), ("kl", "kl"),
+BAR_KEYS = [("sft_loss", "loss"), ("reward_mean", "reward"), ("accuracy", "acc"), ("response_length", "len"), ("kl", "kl"),
             ("generate_s", "gen_s"), ("train_s", "train_s"), ("version_lag", "lag")]
 
 
@@ -57,12 +57,13 @@ class MetricsLogger:
     @contextmanager
     def progress(self, total: int, start: int):
         from tqdm import tqdm
-        bar = tqdm(total=total, initial=start, desc="GRPO", unit="step", disable=not self.cfg.progress_bar,
+        bar = tqdm(total=total, initial=start, desc="train", unit="step", disable=not self.cfg.progress_bar,
                    dynamic_ncols=True)
 
         class Bar:
             @staticmethod
             def update(record: dict) -> None:
+                bar.set_description(record.get("stage_name", "train"), refresh=False)
                 bar.set_postfix({short: f"{record[k]:.3g}" for k, short in BAR_KEYS if k in record}, refresh=False)
                 bar.update(1)
         try:

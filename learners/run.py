@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from learners.learner_group import LearnerRankFailed
     from learners.trainer import Trainer
+    trainer = Trainer(cfg)
     try:
-        history = Trainer(cfg).fit()
+        history = trainer.fit()
     except FileExistsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
         summary = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; " if rewards else ""
         print(f"done: {len(history)} steps, {summary}outputs in {cfg.output_dir}")
+    if trainer.report:
+        print("\n" + trainer.report)
     return 0
 
 

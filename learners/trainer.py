@@ -29,8 +29,10 @@ from learners.data import PromptSampler, demonstration_trajectory, load_tasks, r
 from learners.learner_group import LearnerGroup
 from learners.metrics import MetricsLogger
 from learners.tiny_models import ensure_tiny_model
+from learners.validation import Validator, closing_report, plot_curves
 from rewards.registry import is_diagnostic, needs_answer_logprobs
 from rewards.reward_actor import RewardActor
+from tasks.model_aliases import resolve_model
 
 log = logging.getLogger("medray.trainer")
 
@@ -66,7 +68,7 @@ class Trainer:
                 log.warning("resume=true but no valid checkpoint under %s; starting from step 0", self.ckpt_root)
             else:
                 self.step = ckpt.read_state(resume_from)["step"]
-        self.base_model = cfg.model.path or str(ensure_tiny_model(cfg.model.tiny))
+        self.base_model = resolve_model(cfg.model.path) if cfg.model.path else str(ensure_tiny_model(cfg.model.tiny))
         policy_path = str(resume_from) if resume_from else self.base_model
 
         from transformers import AutoTokenizer
@@ -93,6 +95,8 @@ class Trainer:
         self.count_service_restarts()  # the process ids a restart will change
         self.version = self.step  # the learner's weight version: one per optimizer step taken
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
+        self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
+        self.report = None  # the closing evaluation table, once the run has one
 
     # ---- stages -------------------------------------------------------------------------------------------
     def stage_at(self, step: int) -> tuple[int, int]:
@@ -115,7 +119,8 @@ class Trainer:
         log.info("stage %d (%s, %s): %d steps", index, self.stage.name, self.stage.kind, self.stage.steps)
         if self.stage.kind == "sft":
             sft = self.stage.sft
-            demos = self.self_demonstrations(cfg) if sft.data == "self" else read_demonstrations(sft.data)
+            demos = self.generated_demonstrations(cfg) if sft.data in ("self", "expert") else \
+                read_demonstrations(sft.data)
             vision = ImageTokens.for_model(self.base_model)
             self.demonstrations = [demonstration_trajectory(d, self.tokenizer, i, vision) for i, d in enumerate(demos)]
             self.sampler = PromptSampler(len(demos), sft.batch_size, cfg.seed, sft.shuffle)
@@ -133,13 +138,18 @@ class Trainer:
                 self.cfg.cluster.reward.threads) for i in range(self.cfg.cluster.reward.num)]
             ray.get([r.__ray_ready__.remote() for r in self.rewarders])
 
-    def self_demonstrations(self, cfg: RunConfig) -> list[dict]:
-        """ARMed's knowledge-injection data, generated once by the current policy and kept under
-        output_dir/stages/<stage>/ so a run resumed inside the stage trains on the same data."""
-        from learners.knowledge_injection import generate_demonstrations
-
+    def generated_demonstrations(self, cfg: RunConfig) -> list[dict]:
+        """An SFT stage's generated data, made once and kept under output_dir/stages/<stage>/ so a run resumed inside
+        the stage trains on the same data: the scripted expert's episodes on data.train ('expert', the cold start),
+        or ARMed's knowledge-injection data from the current policy ('self')."""
         path = self.out / "stages" / self.stage.name / "demonstrations.jsonl"
-        if not path.exists():
+        if not path.exists() and self.stage.sft.data == "expert":
+            from tasks.expert import write_demonstrations
+            made = write_demonstrations(cfg, cfg.data.train, path, progress=False)
+            log.info("stage %s: %d expert demonstrations from %d tasks (%d without the gold document in view)",
+                     self.stage.name, made["demonstrations"], made["tasks"], made["skipped_not_retrieved"])
+        elif not path.exists():
+            from learners.knowledge_injection import generate_demonstrations
             generate_demonstrations(self.workers, self._load_tasks(cfg), self.tokenizer, cfg, self.stage.sft,
                                     derive_seed(cfg.seed, "inject", self.step), path)
         return read_demonstrations(path)
@@ -260,13 +270,24 @@ class Trainer:
     def loop(self) -> list[dict]:
         """Stage after stage until total_steps; each stage runs from the current step to its end."""
         history = []
+        if self.validator and self.cfg.eval.at_start and self.step == 0:
+            self.metrics.log({"step": 0, **self.validate()})
         with self.metrics.progress(self.cfg.total_steps, self.step) as bar:
             while self.step < self.cfg.total_steps:
                 index, end = self.stage_at(self.step)
                 self.enter_stage(index)
                 run = self.run_sft if self.stage.kind == "sft" else self.run_grpo
                 history += run(end, bar)
+        if self.validator:
+            self.report = closing_report(self.cfg, self.out)
+        plot_curves(self.out, self.cfg)
         return history
+
+    def validate(self) -> dict:
+        """The eval section's splits on the rollout workers, under the weights they hold now."""
+        start = time.perf_counter()
+        record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump())
+        return {**record, "eval_s": time.perf_counter() - start}
 
     def run_grpo(self, end: int, bar) -> list[dict]:
         cfg, history = self.stage_cfg, []
@@ -335,6 +356,8 @@ class Trainer:
                 or self.step == self.stage_at(self.step - 1)[1]:
             record["checkpoint_s"] = self.save_checkpoint()
         record["step_s"] = time.perf_counter() - step_start
+        if self.validator and self.validator.due(self.step):
+            record.update(self.validate())
         self.metrics.log(record)
         bar.update(record)
         return record

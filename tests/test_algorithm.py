@@ -124,3 +124,25 @@ def test_learner_forward_scores_exactly_the_response_tokens_of_a_padded_batch(ti
             assert batch["mask"][i, start:start + len(t.response_ids)].tolist() == t.loss_mask
             assert batch["old_logp"][i, start:start + len(t.response_ids)].tolist() == pytest.approx(t.logprobs)
     assert logp.shape == entropy.shape == batch["mask"].shape
+
+
+def test_learner_forward_in_bfloat16_autocast_keeps_float32_weights_and_logprobs(tiny_model_path):
+    """learner.compute_dtype=bfloat16: the matmuls run in bfloat16, the logprobs come back in float32 within bfloat16
+    rounding of the float32 forward, and the gradients land on the float32 weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from actors.trajectory import Trajectory
+    from learners.learner_group import forward_logp, pad_batch
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    traj = Trajectory(task={}, group=0, prompt_ids=list(range(10, 30)), response_ids=list(range(50, 58)),
+                      logprobs=[0.0] * 8, loss_mask=[1] * 8, text="", finish_reason="stop", weight_version=0)
+    batch = pad_batch([traj], pad_id=0)
+    exact, _ = forward_logp(model, batch, with_entropy=False, temperature=1.0)
+    mixed, _ = forward_logp(model, batch, with_entropy=False, temperature=1.0, compute_dtype=torch.bfloat16)
+    assert mixed.dtype == torch.float32 and not torch.equal(mixed, exact)  # bfloat16 rounding did happen
+    assert torch.allclose(mixed, exact, atol=0.1)
+    mixed.sum().backward()
+    weight = model.get_input_embeddings().weight
+    assert weight.dtype == torch.float32 and weight.grad is not None and weight.grad.dtype == torch.float32

@@ -8,7 +8,7 @@ from cluster.placement import PlacementError, check_fits
 from learners.config import ClusterConfig, ConfigError, load_config
 from learners.data import PromptSampler, load_tasks
 
-QUICKSTART = "configs/quickstart.yaml"
+QUICKSTART = "configs/tiny.yaml"
 
 
 def test_quickstart_config_loads_and_overrides_apply():

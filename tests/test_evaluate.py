@@ -43,7 +43,7 @@ def test_open_ended_metrics_equal_the_libraries():
 def test_evaluate_a_checkpoint_through_rollout_workers(ray_session, tiny_model_path):
     from learners.config import load_config
     from learners.evaluate import evaluate
-    cfg = load_config("configs/quickstart.yaml", ["output_dir=unused"])
+    cfg = load_config("configs/tiny.yaml", ["output_dir=unused"])
     metrics = evaluate(cfg, str(tiny_model_path), "hpo:mcq_test", limit=8)
     assert metrics["n"] == 8 and metrics["accuracy"]["n"] == 8
     assert 0 <= metrics["accuracy"]["low"] <= metrics["accuracy"]["mean"] <= metrics["accuracy"]["high"] <= 1

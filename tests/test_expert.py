@@ -14,7 +14,7 @@ def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_mo
     from cluster.environments import default_index_dir
     from transformers import AutoTokenizer
 
-    cfg = load_config("configs/quickstart.yaml")
+    cfg = load_config("configs/tiny.yaml")
     out = tmp_path / "demos.jsonl"
     report = write_demonstrations(cfg, "hpo:mcq_train", out, limit=40, progress=False)
     demos = read_demonstrations(out)  # the file an sft stage reads
@@ -46,7 +46,7 @@ def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path
     from cluster.environments import default_index_dir
     from transformers import AutoTokenizer
 
-    cfg = load_config("configs/quickstart.yaml", ["retrieval.show=titles", "retrieval.link_options=true"])
+    cfg = load_config("configs/tiny.yaml", ["retrieval.show=titles", "retrieval.link_options=true"])
     out = tmp_path / "demos.jsonl"
     report = write_demonstrations(cfg, "hpo:mcq_train", out, limit=40, progress=False)
     demos = read_demonstrations(out)

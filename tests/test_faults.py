@@ -30,7 +30,7 @@ def kill_when(out, step: int, name: str, delay_s: float, done: list):
 
 def test_killed_rollout_reward_and_retriever_actors_do_not_stop_the_run(ray_session, tiny_model_path, tmp_path):
     out = tmp_path / "run"
-    cfg = load_config("configs/quickstart.yaml", [
+    cfg = load_config("configs/tiny.yaml", [
         f"output_dir={out}", "total_steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
         "rollout.max_new_tokens=16", "learner.micro_batch_size=8", "checkpoint.every=10", "logging.progress_bar=false",
         "rollout.fidelity_check_every=1"])
@@ -63,7 +63,7 @@ def test_a_lost_learner_rank_stops_the_group_with_a_clear_error_instead_of_hangi
     from cluster.placement import place
     from learners.learner_group import LearnerGroup, LearnerRankFailed
 
-    cfg = load_config("configs/quickstart.yaml", ["output_dir=unused"])
+    cfg = load_config("configs/tiny.yaml", ["output_dir=unused"])
     placement = place(cfg.cluster, roles=("learner",))
     group = LearnerGroup(cfg, placement, str(tiny_model_path))
     trajs = [Trajectory(task={}, group=0, prompt_ids=[1, 2, 3], response_ids=[4, 5, 6], logprobs=[-1.0] * 3,

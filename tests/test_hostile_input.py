@@ -24,7 +24,7 @@ from tasks.files import sha256_file
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
 SLAKE = "slake/Slake1.0/train.json"
 SLAKE_IMAGE = "slake/Slake1.0/imgs/xmlab1/source.jpg"
-QUICKSTART = "configs/quickstart.yaml"
+QUICKSTART = "configs/tiny.yaml"
 
 GOOD_TASK = {"id": "t1", "messages": [{"role": "user", "content": "q"}], "answer": "A", "options": {"A": "x"},
              "images": [], "gold_boxes": [], "references": [], "metadata": {}}

@@ -73,7 +73,7 @@ def test_image_rollouts_train_and_stay_faithful_to_the_learner(ray_session, vl_m
     from learners.config import load_config
     from learners.learner_group import LearnerGroup
 
-    cfg = load_config("configs/quickstart.yaml", ["output_dir=unused", "model.tiny.arch=qwen2_5_vl",
+    cfg = load_config("configs/tiny.yaml", ["output_dir=unused", "model.tiny.arch=qwen2_5_vl",
                                                    "rollout.prompts_per_step=2", "rollout.group_size=2",
                                                    "learner.micro_batch_size=2", "learner.lr=0.01"])
     placement = place(cfg.cluster)

@@ -131,7 +131,7 @@ def test_job_submit_runs_the_quickstart_on_a_loopback_head(tmp_path):
         job_id = f"quickstart-{secrets.token_hex(4)}"
         job = subprocess.run(
             [ray, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--submission-id", job_id,
-             "--working-dir", ".", "--", "python", "learners/run.py", "--config", "configs/quickstart.yaml",
+             "--working-dir", ".", "--", "python", "learners/run.py", "--config", "configs/tiny.yaml",
              "total_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "logging.progress_bar=false",
              f"output_dir={out}"],
             env=env, cwd=ROOT, capture_output=True, text=True, timeout=540)

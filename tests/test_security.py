@@ -113,7 +113,7 @@ def test_checkpoints_hold_safetensors_weights_and_no_secret_is_written(ray_sessi
     monkeypatch.setenv("MEDRAY_API_KEY", SERVE_KEY)
     monkeypatch.setenv("MEDRAY_JUDGE_API_KEY", JUDGE_KEY)
     out = tmp_path / "run"
-    cfg = load_config("configs/quickstart.yaml", [
+    cfg = load_config("configs/tiny.yaml", [
         f"output_dir={out}", "total_steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
         "rollout.max_new_tokens=8", "rollout.fidelity_check_every=0", "learner.micro_batch_size=2",
         "logging.progress_bar=false"])

@@ -15,7 +15,7 @@ SMALL = ["total_steps=3", "rollout.prompts_per_step=4", "rollout.group_size=4", 
 
 
 def run(output_dir, *overrides):
-    cfg = load_config("configs/quickstart.yaml", [*SMALL, f"output_dir={output_dir}", *overrides])
+    cfg = load_config("configs/tiny.yaml", [*SMALL, f"output_dir={output_dir}", *overrides])
     Trainer(cfg).fit()
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -87,7 +87,7 @@ def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport)
     from cluster.placement import place
     from learners.learner_group import LearnerGroup
 
-    cfg = load_config("configs/quickstart.yaml", [*SMALL, "output_dir=unused", "rollout.prompts_per_step=2",
+    cfg = load_config("configs/tiny.yaml", [*SMALL, "output_dir=unused", "rollout.prompts_per_step=2",
                                                    "rollout.group_size=2", "learner.lr=0.01",
                                                    f"cluster.weight_sync={transport}"])
     placement = place(cfg.cluster)
@@ -170,7 +170,7 @@ def test_a_killed_driver_resumes_as_if_uninterrupted(three_steps, tmp_path):
     out = tmp_path / "killed"
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    driver = subprocess.Popen([sys.executable, "learners/run.py", "--config", "configs/quickstart.yaml", *SMALL,
+    driver = subprocess.Popen([sys.executable, "learners/run.py", "--config", "configs/tiny.yaml", *SMALL,
                                f"output_dir={out}"], cwd=root, env=env)
     deadline = time.monotonic() + 900
     while not (out / "checkpoints" / "step_2").exists():

