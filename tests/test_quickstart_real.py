@@ -1,0 +1,63 @@
+"""The quickstart on the real model (SmolLM2-135M-Instruct), shortened: base evaluation, an SFT cold-start step on
+expert demonstrations, a GRPO step with retrieval, the evaluation of the result and the closing report, end to end
+on the shared local Ray."""
+import json
+
+import pytest
+
+from learners.config import load_config
+from learners.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+
+SHORT = ["total_steps=2", "stages.0.steps=1", "stages.0.sft.batch_size=4", "stages.1.steps=1",
+         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.fidelity_check_every=1", "eval.limit=6",
+         "eval.every=0", "checkpoint.every=1", "logging.progress_bar=false"]
+
+
+@pytest.fixture(scope="module")
+def short_quickstart(ray_session, real_model_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("quickstart")
+    trainer = Trainer(load_config("configs/quickstart.yaml", [*SHORT, f"output_dir={out}"]))
+    trainer.fit()
+    return out, trainer.report, [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_quickstart_trains_the_real_model_and_reports_base_against_trained(short_quickstart):
+    out, report, metrics = short_quickstart
+    assert "| hpo:mcq_test | base (step 0) |" in report and "| hpo:mcq_test | after grpo (step 2) |" in report
+    assert (out / "eval.md").read_text() == report
+    steps = json.loads((out / "eval.json").read_text())["splits"]["hpo:mcq_test"]
+    assert sorted(steps) == ["0", "2"] and all(s["n"] == 6 for s in steps.values())
+    assert steps["0"]["format_rate"]["mean"] == 0.0, "the base model does not know the answer grammar"
+    for step in (0, 2):
+        samples = (out / "eval" / f"step_{step}" / "hpo_mcq_test" / "samples.jsonl").read_text().splitlines()
+        assert len(samples) == 6
+    by_step = {m["step"]: m for m in metrics}
+    assert by_step[0]["eval/hpo:mcq_test/format_rate"] == 0.0
+    assert by_step[1]["stage_name"] == "cold_start" and by_step[1]["sft_loss"] > 0
+    assert by_step[2]["stage_name"] == "grpo" and "reward_mean" in by_step[2]
+    assert by_step[2]["fidelity_max_abs_diff"] < 1e-3, "the rollout engine holds the learner's weights after a sync"
+    assert "eval/hpo:mcq_test/accuracy" in by_step[2]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_cold_start_trains_on_expert_demonstrations_in_the_models_own_tokens(short_quickstart):
+    out, _, _ = short_quickstart
+    demos = [json.loads(line) for line in (out / "stages" / "cold_start" / "demonstrations.jsonl").open()]
+    assert len(demos) > 1000
+    first = demos[0]["segments"]
+    assert [s["role"] for s in first] == ["policy", "environment", "policy"]
+    assert "<query>" in first[0]["text"] and "(option " in first[1]["text"] and "<answer>" in first[2]["text"]
+
+
+def test_the_checkpoint_is_a_hugging_face_model_with_the_chat_template(short_quickstart):
+    from transformers import AutoConfig, AutoTokenizer
+
+    out, _, _ = short_quickstart
+    latest = out / "checkpoints" / "latest"
+    assert AutoConfig.from_pretrained(latest).model_type == "llama"
+    tokenizer = AutoTokenizer.from_pretrained(latest)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text.endswith("<|im_start|>assistant\n")
