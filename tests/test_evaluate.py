@@ -47,3 +47,39 @@ def test_evaluate_a_checkpoint_through_rollout_workers(ray_session, tiny_model_p
     metrics = evaluate(cfg, str(tiny_model_path), "hpo:mcq_test", limit=8)
     assert metrics["n"] == 8 and metrics["accuracy"]["n"] == 8
     assert 0 <= metrics["accuracy"]["low"] <= metrics["accuracy"]["mean"] <= metrics["accuracy"]["high"] <= 1
+
+
+def test_evaluations_inside_a_run_are_due_at_every_n_and_at_the_end(tmp_path, tiny_model_path):
+    from learners.config import load_config
+    from learners.validation import Validator, weights_label
+
+    cfg = load_config("configs/quickstart.yaml", ["output_dir=unused", "eval.every=4", "eval.limit=2"])
+    validator = Validator(cfg, tmp_path, str(tiny_model_path))
+    total = cfg.total_steps
+    assert [s for s in range(1, total + 1) if validator.due(s)] == [s for s in range(4, total, 4)] + [total]
+    assert len(validator.splits["hpo:mcq_test"]) == 2
+    cold = cfg.stages[0].steps
+    assert [weights_label(cfg, s) for s in (0, 1, cold, total)] == \
+        ["base", "cold_start step 1", "after cold_start", "after grpo"]
+
+
+def test_the_closing_report_lists_every_evaluation_of_the_run(tmp_path):
+    import json
+
+    from learners.config import load_config
+    from learners.validation import closing_report
+
+    cfg = load_config("configs/quickstart.yaml", [f"output_dir={tmp_path}"])
+    assert closing_report(cfg, tmp_path) is None
+    for step, (correct, formatted) in {0: (0, 0.0), cfg.total_steps: (120, 0.99)}.items():
+        where = tmp_path / "eval" / f"step_{step}" / "hpo_mcq_test"
+        where.mkdir(parents=True)
+        low, high = wilson_interval(correct, 150)
+        (where / "eval.json").write_text(json.dumps({
+            "n": 150, "accuracy": {"mean": correct / 150, "low": low, "high": high, "n": 150},
+            "format_rate": {"mean": formatted}, "env_calls_per_sample": 1.0 if step else 0.0,
+            "gold_retrieved": {"mean": 0.8}}))
+    report = closing_report(cfg, tmp_path)
+    assert "| hpo:mcq_test | base (step 0) | 0.0% [0.0%, 2.5%] | 0.0% | 0.00 | 80.0% | 150 |" in report
+    assert f"| hpo:mcq_test | after grpo (step {cfg.total_steps}) | 80.0% [72.9%, 85.6%] | 99.0% | 1.00 |" in report
+    assert (tmp_path / "eval.md").read_text() == report
