@@ -1,6 +1,7 @@
 """RolloutWorker: a Ray actor holding a vLLM engine that samples trajectories and takes new weights live."""
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -54,6 +55,15 @@ def repack_lm_heads(worker) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
+class RotaryReloadNotice(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged on every weight reload: the rotary cos/sin cache
+    is computed from the config, never part of a checkpoint, and vLLM puts it back unchanged (the fidelity check
+    compares engine and learner after each sync)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+
+
 @ray.remote(max_restarts=3, max_task_retries=0)
 class RolloutWorker:
     """vLLM in-process inside the actor; multi-turn episodes run through `actors.environment.EpisodeRunner`.
@@ -70,6 +80,7 @@ class RolloutWorker:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(RotaryReloadNotice())
 
         self.device = accelerator()
         # On CPU a fixed KV-cache size; vLLM's fraction-of-memory reservation fails whenever other actors hold memory.
