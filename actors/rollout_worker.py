@@ -55,13 +55,17 @@ def repack_lm_heads(worker) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
-class RotaryReloadNotice(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights", logged on every weight reload: the rotary cos/sin cache
-    is computed from the config, never part of a checkpoint, and vLLM puts it back unchanged (the fidelity check
-    compares engine and learner after each sync)."""
+class ReloadNotices(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights", logged on every weight reload for layers that no checkpoint
+    holds: the rotary cos/sin cache (computed from the config, put back unchanged) and a tied LM head (it is the
+    embedding, which was loaded; `repack_lm_heads` follows it). The fidelity check compares engine and learner."""
+
+    def __init__(self, tied_head: bool):
+        super().__init__()
+        self.layers = ("RotaryEmbedding", "ParallelLMHead") if tied_head else ("RotaryEmbedding",)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "RotaryEmbedding: Failed to load weights" not in record.getMessage()
+        return not any(f"{layer}: Failed to load weights" in record.getMessage() for layer in self.layers)
 
 
 @ray.remote(max_restarts=3, max_task_retries=0)
@@ -80,7 +84,6 @@ class RolloutWorker:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(RotaryReloadNotice())
 
         self.device = accelerator()
         # On CPU a fixed KV-cache size; vLLM's fraction-of-memory reservation fails whenever other actors hold memory.
@@ -98,6 +101,8 @@ class RolloutWorker:
                        # ("CPU Generator does not use offset"); per-sample seeds keep rollouts reproducible.
                        enable_chunked_prefill=False)
         self.tokenizer = self.llm.get_tokenizer()
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
+            ReloadNotices(self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings))
         self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}),
                                     environment, self.vision)
         self.version = version  # the learner version whose weights the engine holds
