@@ -1,5 +1,5 @@
 """Held-out evaluation inside a run (the `eval` section), on the run's own rollout workers between steps, and the
-run's closing report: the first evaluation (the base weights) against the last, and a plot of the curves.
+run's closing report: every evaluation of the run (the base weights first), and a plot of the curves.
 
 Each evaluation writes output_dir/eval/step_<N>/<split>/{eval.json, eval.md, samples.jsonl}; the closing report writes
 output_dir/eval.md, eval.json and curves.png.
@@ -128,7 +128,8 @@ def plot_curves(out: Path, cfg: RunConfig) -> Path | None:
             steps, acc, low, high = zip(*points)
             errors = [[a - lo for a, lo in zip(acc, low)], [h - a for a, h in zip(acc, high)]]
             reward_ax.errorbar(steps, acc, yerr=errors, fmt="o", capsize=3, label=f"held-out accuracy ({split})")
-    reward_ax.set(title="GRPO", xlabel="step", ylim=(0, max(1.0, *[r["reward_mean"] for r in grpo] or [1.0])))
+    top = max([1.0] + [r["reward_mean"] for r in grpo])
+    reward_ax.set(title="GRPO reward and held-out accuracy", xlabel="step", ylim=(0, 1.05 * top))
     reward_ax.legend(fontsize=8)
     fig.tight_layout()
     target = out / "curves.png"
