@@ -27,10 +27,10 @@ from learners.algorithm import group_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
 from learners.learner_group import LearnerGroup
-from learners.metrics import MetricsLogger
+from learners.metrics import MetricsLogger, step_metrics
 from learners.tiny_models import ensure_tiny_model
 from learners.validation import Validator, closing_report, plot_curves
-from rewards.registry import is_diagnostic, needs_answer_logprobs
+from rewards.registry import needs_answer_logprobs
 from rewards.reward_actor import RewardActor
 from tasks.model_aliases import resolve_model
 
@@ -385,50 +385,3 @@ class Trainer:
 
 def _process_id(_actor) -> int:
     return os.getpid()
-
-
-def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,
-                 version: int) -> dict:
-    """One line of metrics.jsonl: reward and its components, lengths, learner statistics and timings."""
-    totals = np.array([x for s in scores for x in s["total"]])
-    components: dict[str, list[float]] = {}
-    errors: dict[str, int] = {}
-    for s in scores:
-        for k, v in s["components"].items():
-            components.setdefault(k, []).extend(v)
-        for k, v in s["errors"].items():
-            errors[k] = errors.get(k, 0) + v
-    nci: dict[str, list[float]] = {}
-    for s in scores:
-        for k, v in s.get("nci", {}).items():
-            nci.setdefault(k, []).append(v)
-    lengths = [n for s in summaries for n in s["lengths"]]
-    batch_versions = [s["version"] for s in summaries]
-    tokens = sum(lengths)
-    mask_sum = max(train["mask_sum"], 1.0)
-    record = {
-        "step": step,
-        "reward_mean": float(totals.mean()), "reward_std": float(totals.std()),
-        **{f"reward/{k}": float(np.mean(v)) for k, v in components.items() if not is_diagnostic(k)},
-        **{k: float(np.nanmean(v)) for k, v in components.items() if is_diagnostic(k) and not np.isnan(v).all()},
-        **{f"reward_errors/{k}": v for k, v in errors.items()},
-        **{f"nci/{k}": float(np.mean(v)) for k, v in nci.items()},
-        "response_length": float(np.mean(lengths)),
-        "truncated_fraction": float(np.mean([r == "length" for s in summaries for r in s["finish_reasons"]])),
-        "env_calls": sum(s["env_calls"] for s in summaries), "env_errors": sum(s["env_errors"] for s in summaries),
-        "env_calls_per_episode": sum(s["env_calls"] for s in summaries) / max(len(lengths), 1),
-        "env_idle_fraction": sum(s["idle_s"] for s in summaries) / max(sum(s["seconds"] for s in summaries), 1e-9),
-        **({"branch_events": sum(s["branch_events"] for s in summaries),
-            "branch_budget": sum(s["branch_budget"] for s in summaries)} if "branch_events" in summaries[0] else {}),
-        "kl": train["kl_sum"] / mask_sum, "entropy": train["entropy_sum"] / mask_sum,
-        "clip_fraction": train["clip_sum"] / mask_sum, "grad_norm": train["grad_norm"], "lr": train["lr"],
-        "loss": train["loss"],
-        "generate_s": max(s["seconds"] for s in summaries), "reward_s": max(s["seconds"] for s in scores), "train_s": train["seconds"],
-        **sync,
-        "tokens_per_s": tokens / max(max(s["seconds"] for s in summaries), 1e-9),
-        "batch_weight_version": min(batch_versions), "weight_version": version,
-        "version_lag": version - 1 - min(batch_versions),
-    }
-    if "accuracy" in components:
-        record["accuracy"] = record["reward/accuracy"]
-    return record
