@@ -16,7 +16,7 @@ import math
 from pathlib import Path
 
 from learners.config import RunConfig
-from tasks.model_aliases import ALIASES, ensure_alias_model
+from tasks.model_aliases import resolve_model
 
 GiB = 2**30
 
@@ -27,11 +27,9 @@ def parameter_count(cfg: RunConfig) -> tuple[int, str]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    if cfg.model.path in ALIASES:
-        path = ensure_alias_model(cfg.model.path)
+    path = resolve_model(cfg.model.path) if cfg.model.path else None
+    if path and (Path(path) / "config.json").is_file():
         config, source = AutoConfig.from_pretrained(path), f"{path}/config.json"
-    elif cfg.model.path and (Path(cfg.model.path) / "config.json").is_file():
-        config, source = AutoConfig.from_pretrained(cfg.model.path), f"{cfg.model.path}/config.json"
     elif cfg.model.path and cfg.model.size_hint_b:
         return int(cfg.model.size_hint_b * 1e9), f"model.size_hint_b ({cfg.model.path} is not readable here)"
     elif cfg.model.path:

@@ -12,10 +12,11 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from learners.config import TinyModelConfig
+from learners.config import ModelConfig, TinyModelConfig
 from tasks.files import building_dir
 from tasks.hpo import cache_dir
 from tasks.imaging import INPUT_SIZE
+from tasks.model_aliases import resolve_model
 
 # Tags of every recipe's grammar (RECIPES.md) are single tokens, so a format is a few decisions, not dozens.
 GRAMMAR_TAGS = [f"<{t}>" for t in ("think", "answer", "query", "retrieve", "search", "document", "tool_call",
@@ -126,12 +127,12 @@ def save_processor(tokenizer, out_dir: Path) -> None:
 # Copy pre-training (model.tiny.copy_pretrain_steps): sequences "noise, x, noise, <query>, x" with the loss on the
 # second x, so the model learns to find a list far back in its context and write it out, as a query copies a case's
 # phenotypes. The copy is learned suddenly (the loss creeps down for 1,000-2,000 steps, then halves within ~300), and
-# with the 3-layer model (README, sessions 5-8) reliably only without noise: "x <query> x" was learned by ~1,000 steps;
+# with the 3-layer model reliably only without noise: "x <query> x" was learned by ~1,000 steps;
 # with up to 40 noise tokens between x and <query> from the start, and noise before x growing to 150 tokens on a fixed
 # schedule, it was learned once (at ~800 steps) and not in two other runs of 2,000 steps. So the noise grows only after
 # the model copies a batch: from none to COPY_MAX_PREFIX before x and COPY_MAX_GAP after it over COPY_RAMP steps. SFT
 # after a copier put 25-29% of a held-out case's phenotypes in its greedy query, against 2% without, and GRPO
-# with retrieval from it beat GRPO without by 20-21 points on two seeds (README, setting 4).
+# with retrieval from it beat GRPO without by 20-21 points on two seeds (docs/BENCHMARKS.md, setting 4).
 COPY_LIST_TOKENS = (3, 12)
 COPY_MAX_PREFIX, COPY_MAX_GAP, COPY_RAMP = 150, 40, 500
 COPY_BATCH, COPY_LR, COPY_WARMUP = 32, 1e-3, 100
@@ -203,6 +204,12 @@ def build_key(cfg: TinyModelConfig) -> str:
         parts["vision_build"] = VISION_BUILD_VERSION
     blob = json.dumps(parts, sort_keys=True)
     return f"{cfg.arch}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def policy_dir(model: ModelConfig) -> str:
+    """The local directory of the run's model: `model.path` (an alias built on first use, or a directory as given),
+    else the tiny model built from `model.tiny`."""
+    return resolve_model(model.path) if model.path else str(ensure_tiny_model(model.tiny))
 
 
 def ensure_tiny_model(cfg: TinyModelConfig) -> Path:

@@ -28,11 +28,10 @@ from learners.config import RunConfig
 from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
 from learners.learner_group import LearnerGroup
 from learners.metrics import MetricsLogger, step_metrics
-from learners.tiny_models import ensure_tiny_model
+from learners.tiny_models import policy_dir
 from learners.validation import Validator, closing_report, plot_curves
 from rewards.registry import needs_answer_logprobs
 from rewards.reward_actor import RewardActor
-from tasks.model_aliases import resolve_model
 
 log = logging.getLogger("medray.trainer")
 
@@ -68,7 +67,7 @@ class Trainer:
                 log.warning("resume=true but no valid checkpoint under %s; starting from step 0", self.ckpt_root)
             else:
                 self.step = ckpt.read_state(resume_from)["step"]
-        self.base_model = resolve_model(cfg.model.path) if cfg.model.path else str(ensure_tiny_model(cfg.model.tiny))
+        self.base_model = policy_dir(cfg.model)
         policy_path = str(resume_from) if resume_from else self.base_model
 
         from transformers import AutoTokenizer

@@ -26,7 +26,6 @@ import sys
 from pathlib import Path
 
 from tasks.files import write_jsonl
-from tasks.model_aliases import resolve_model
 
 
 def phenotypes_of(task: dict) -> list[str]:
@@ -134,11 +133,10 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
     from transformers import AutoTokenizer
 
     from learners.data import load_tasks
-    from learners.tiny_models import ensure_tiny_model
+    from learners.tiny_models import policy_dir
 
     grammar = cfg.rollout.grammar
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(cfg.model.path) if cfg.model.path
-                                              else ensure_tiny_model(cfg.model.tiny))
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir(cfg.model))
     tasks = load_tasks(data)[:limit]
     index_dir = None
     if grammar.action_tag and cfg.retrieval is not None:

@@ -1,7 +1,7 @@
 """The MedCAT concept pack built from HPO, and Med-RwR's text query-semantic reward computed by hand.
 
 One pack serves the session: ``ensure_medcat_pack()`` builds it into medray's cache the first time (~30 s of CPU) and
-later sessions only load it (~5 s). The determinism test builds a second pack in a subprocess (another ~30 s).
+later test runs only load it (~5 s). The determinism test builds a second pack in a subprocess (another ~30 s).
 """
 import json
 import os
