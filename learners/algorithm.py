@@ -36,25 +36,52 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str,
-                   global_denominator: float | None = None) -> torch.Tensor:
+                   global_denominator: float | None = None, norm_length: int | None = None) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
-    token_mean (DAPO, Yu et al. 2025):  sum_{i,t} l_it m_it / N, with N the number of policy tokens.
-    seq_mean (GRPO, Shao et al. 2024):  sum_i [ sum_t l_it m_it / sum_t m_it ] / B, with B sequences.
+    token_mean (DAPO, Yu et al. 2025):      sum_{i,t} l_it m_it / N, with N the number of policy tokens.
+    seq_mean (GRPO, Shao et al. 2024):      sum_i [ sum_t l_it m_it / sum_t m_it ] / B, with B sequences.
+    token_sum_norm (Dr.GRPO, Liu et al. 2025): sum_{i,t} l_it m_it / (B * L), with L = `norm_length` a constant
+                                            (the generation budget), so no rollout's length rescales its tokens.
 
     By default N and B are this tensor's own. When a batch is split into micro-batches or ranks, pass the
-    whole batch's N (token_mean) or B (seq_mean) as `global_denominator`: the parts then sum to the loss
-    of the whole batch, and every token (or sequence) weighs the same wherever it landed.
+    whole batch's N (token_mean), B (seq_mean) or B * L (token_sum_norm) as `global_denominator`: the parts then
+    sum to the loss of the whole batch, and every token (or sequence) weighs the same wherever it landed.
     """
     mask = mask.to(per_token.dtype)
     if mode == "token_mean":
         numerator, default = (per_token * mask).sum(), mask.sum()
     elif mode == "seq_mean":
         numerator, default = masked_mean(per_token, mask, dim=1).sum(), float(per_token.shape[0])
+    elif mode == "token_sum_norm":
+        if not norm_length:
+            raise ValueError("token_sum_norm needs norm_length, the constant L of sum(l) / (B * L)")
+        numerator, default = (per_token * mask).sum(), float(per_token.shape[0] * norm_length)
     else:
-        raise ValueError(f"unknown loss aggregation {mode!r}; use token_mean or seq_mean")
+        raise ValueError(f"unknown loss aggregation {mode!r}; use token_mean, seq_mean or token_sum_norm")
     denominator = default if global_denominator is None else global_denominator
     return numerator / max(float(denominator), 1.0)
+
+
+def loss_denominator(mode: str, policy_tokens: list[int], norm_length: int | None = None) -> float:
+    """The whole batch's denominator for `aggregate_loss(..., global_denominator=...)`, from each sequence's number
+    of policy tokens: N = sum of them (token_mean), B (seq_mean) or B * L (token_sum_norm)."""
+    if mode == "token_mean":
+        return float(sum(policy_tokens))
+    if mode == "seq_mean":
+        return float(len(policy_tokens))
+    if mode == "token_sum_norm":
+        return float(len(policy_tokens) * norm_length)
+    raise ValueError(f"unknown loss aggregation {mode!r}; use token_mean, seq_mean or token_sum_norm")
+
+
+def mini_batches(batch_size: int, mini_batch_size: int | None) -> list[slice]:
+    """Split a rollout batch into the contiguous mini-batches of PPO-style updates (Schulman et al. 2017): one
+    optimizer step each, every ratio still taken against the behaviour policy's log-probs. None: one mini-batch."""
+    size = mini_batch_size or batch_size
+    if batch_size % size:
+        raise ValueError(f"mini-batch size {size} does not divide the rollout batch of {batch_size}")
+    return [slice(lo, lo + size) for lo in range(0, batch_size, size)]
 
 
 def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -103,10 +130,11 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               *, eps_low: float, eps_high: float, loss_agg: str, ref_logp: torch.Tensor | None = None,
-              kl_beta: float = 0.0, global_denominator: float | None = None) -> tuple[torch.Tensor, dict]:
+              kl_beta: float = 0.0, global_denominator: float | None = None,
+              norm_length: int | None = None) -> tuple[torch.Tensor, dict]:
     """The GRPO objective for one micro-batch: clipped surrogate + beta * k3 KL, masked and aggregated.
 
-        L = agg( l_clip + beta * k3 )     with agg = token_mean (DAPO) or seq_mean (GRPO)
+        L = agg( l_clip + beta * k3 )     with agg = token_mean (DAPO), seq_mean (GRPO) or token_sum_norm (Dr.GRPO)
 
     Returns the scalar loss and detached per-micro-batch statistics (sums, so callers can combine
     micro-batches exactly: divide by `mask_sum`).
@@ -117,7 +145,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         kl = k3_kl(logp, ref_logp)
         per_token = per_token + kl_beta * kl
         stats["kl_sum"] = (kl.detach() * mask).sum().item()
-    return aggregate_loss(per_token, mask, loss_agg, global_denominator), stats
+    return aggregate_loss(per_token, mask, loss_agg, global_denominator, norm_length), stats
 
 
 def sft_loss(logp: torch.Tensor, mask: torch.Tensor,

@@ -123,10 +123,12 @@ class RolloutConfig(Strict):
 class AlgorithmConfig(Strict):
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0, description="> eps_low is DAPO's clip-higher")
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = Field(
+        "token_mean", description="token_mean (DAPO), seq_mean (GRPO) or token_sum_norm (Dr.GRPO: sum / (B * L))")
+    loss_norm_length: int | None = Field(None, ge=1, description="L of token_sum_norm; null: rollout.max_new_tokens")
     normalize_std: bool = Field(True, description="false is Dr.GRPO")
     kl_beta: float = Field(0.0, ge=0, description="0 runs no reference model")
-    updates_per_batch: int = Field(1, ge=1, description="optimizer steps on each rollout batch")
+    updates_per_batch: int = Field(1, ge=1, description="passes over each rollout batch")
 
 
 class LearnerConfig(Strict):
@@ -138,6 +140,8 @@ class LearnerConfig(Strict):
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward on one rank")
+    mini_batch_size: int | None = Field(None, ge=1, description="sequences (all ranks) per optimizer step of GRPO; "
+                                                                 "null: one step per rollout batch")
     gradient_checkpointing: bool = False
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="dtype of the learner's forward and backward (torch.autocast); weights, gradients and "
@@ -275,6 +279,10 @@ class RunConfig(Strict):
         if batch % ranks:
             raise ValueError(f"rollout batch {batch} (prompts_per_step x group_size) must divide over "
                              f"{ranks} learner ranks (cluster.learner.num)")
+        mini = self.learner.mini_batch_size
+        if mini is not None and (batch % mini or mini % ranks):
+            raise ValueError(f"learner.mini_batch_size {mini} must divide the rollout batch {batch} and split over "
+                             f"{ranks} learner ranks")
         if self.rollout.grammar.action_tag and self.retrieval is None and self.tools is None:
             raise ValueError(f"rollout.grammar.action_tag <{self.rollout.grammar.action_tag}> needs an environment: "
                              f"add a retrieval or a tools section")

@@ -172,66 +172,78 @@ class LearnerWorker:
         return self.rank
 
     def train(self, trajectory_refs: list, advantages: list[float] | None, algorithm: dict, objective: str,
-              temperature: float, lr: float) -> dict:
-        """`updates_per_batch` optimizer steps on this rank's shard of the batch, with the GRPO objective (rollouts
-        and their advantages) or the SFT one (demonstrations); returns sums for exact aggregation."""
+              temperature: float, lr: float, mini_batch_size: int | None = None) -> dict:
+        """`updates_per_batch` passes over the batch, one optimizer step per mini-batch (the whole batch when
+        `mini_batch_size` is None), with the GRPO objective (rollouts and their advantages) or the SFT one
+        (demonstrations); each rank trains on its contiguous shard of every mini-batch. Returns sums for exact
+        aggregation."""
         start = time.perf_counter()
         trajs = [t for chunk in ray.get(trajectory_refs) for t in chunk]
         alg, micro = algorithm, self.cfg["learner"]["micro_batch_size"]
-        # The loss divides by global counts, so every token (token_mean) or sequence (seq_mean) weighs the same
-        # whatever the rank and micro-batch it lands in.
-        token_mean = objective == "sft" or alg["loss_agg"] == "token_mean"
-        denominator = sum(t.num_policy_tokens for t in trajs) if token_mean else len(trajs)
-        per_rank = len(trajs) // self.world_size
-        lo = self.rank * per_rank
-        shard = trajs[lo:lo + per_rank]
-        shard_adv = torch.tensor(advantages[lo:lo + per_rank]) if objective == "grpo" else None
+        mode = "token_mean" if objective == "sft" else alg["loss_agg"]
+        all_adv = torch.tensor(advantages) if objective == "grpo" else None
         if lr != self.lr:  # a stage with its own learning rate: the schedule continues, scaled to it, from now
             schedule = self.engine.lr_scheduler
             schedule.base_lrs = [lr] * len(schedule.base_lrs)
             for group, factor in zip(schedule.optimizer.param_groups, schedule.lr_lambdas):
                 group["lr"] = lr * factor(schedule.last_epoch)
             self.lr = lr
-        micro_batches = math.ceil(len(shard) / micro)
-        if micro_batches != self.micro_batches:  # DeepSpeed steps the optimizer every `micro_batches` backwards
-            self.engine.set_train_batch_size(micro * micro_batches * self.world_size)
-            self.micro_batches = micro_batches
         stats = {"loss": 0.0, "mask_sum": 0.0, "clip_sum": 0.0, "kl_sum": 0.0, "entropy_sum": 0.0,
                  "grad_norm": 0.0}
         self.engine.train()
-        updates = alg["updates_per_batch"] if objective == "grpo" else 1
-        for _ in range(updates):
-            for m in range(micro_batches):
-                batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id, self.vision)
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                logp, entropy = forward_logp(self.engine, batch, with_entropy=True,
-                                             temperature=temperature if objective == "grpo" else 1.0,
-                                             compute_dtype=self.compute_dtype)
-                if objective == "sft":
-                    loss, s = algo.sft_loss(logp, batch["mask"], global_denominator=denominator)
-                else:
-                    ref_logp = None
-                    if self.reference is not None:
-                        with torch.no_grad():
-                            ref_logp, _ = forward_logp(self.reference, batch, with_entropy=False,
-                                                       temperature=temperature, compute_dtype=self.compute_dtype)
-                    adv = shard_adv[m * micro:(m + 1) * micro].to(self.device)
-                    loss, s = algo.grpo_loss(logp, batch["old_logp"], adv, batch["mask"], eps_low=alg["eps_low"],
-                                             eps_high=alg["eps_high"], loss_agg=alg["loss_agg"], ref_logp=ref_logp,
-                                             kl_beta=alg["kl_beta"], global_denominator=denominator)
-                # DeepSpeed averages gradients over ranks; scaling by world size makes the sum of all ranks'
-                # micro-batch losses the batch loss.
-                self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-                self.engine.step()
-                stats["loss"] += loss.item()
-                stats["entropy_sum"] += (entropy * batch["mask"]).sum().item()
-                for k in ("mask_sum", "clip_sum", "kl_sum"):
-                    stats[k] += s[k]
-            stats["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-        stats["updates"] = updates
+        parts = algo.mini_batches(len(trajs), mini_batch_size if objective == "grpo" else None)
+        passes = alg["updates_per_batch"] if objective == "grpo" else 1
+        for _ in range(passes):
+            for part in parts:
+                mini = trajs[part]
+                # The loss divides by the mini-batch's global count, so every token (token_mean) or sequence
+                # (seq_mean, token_sum_norm) weighs the same whatever the rank and micro-batch it lands in.
+                denominator = algo.loss_denominator(mode, [t.num_policy_tokens for t in mini],
+                                                    alg["loss_norm_length"])
+                per_rank = len(mini) // self.world_size
+                lo = self.rank * per_rank
+                shard = mini[lo:lo + per_rank]
+                shard_adv = all_adv[part][lo:lo + per_rank] if all_adv is not None else None
+                self._set_accumulation(math.ceil(len(shard) / micro))
+                for m in range(self.micro_batches):
+                    batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id, self.vision)
+                    batch = {k: v.to(self.device) for k, v in batch.items()}
+                    logp, entropy = forward_logp(self.engine, batch, with_entropy=True,
+                                                 temperature=temperature if objective == "grpo" else 1.0,
+                                                 compute_dtype=self.compute_dtype)
+                    if objective == "sft":
+                        loss, s = algo.sft_loss(logp, batch["mask"], global_denominator=denominator)
+                    else:
+                        ref_logp = None
+                        if self.reference is not None:
+                            with torch.no_grad():
+                                ref_logp, _ = forward_logp(self.reference, batch, with_entropy=False,
+                                                           temperature=temperature, compute_dtype=self.compute_dtype)
+                        adv = shard_adv[m * micro:(m + 1) * micro].to(self.device)
+                        loss, s = algo.grpo_loss(logp, batch["old_logp"], adv, batch["mask"], eps_low=alg["eps_low"],
+                                                 eps_high=alg["eps_high"], loss_agg=mode, ref_logp=ref_logp,
+                                                 kl_beta=alg["kl_beta"], global_denominator=denominator,
+                                                 norm_length=alg["loss_norm_length"])
+                    # DeepSpeed averages gradients over ranks; scaling by world size makes the sum of all ranks'
+                    # micro-batch losses the mini-batch loss.
+                    self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                    self.engine.step()
+                    stats["loss"] += loss.item()
+                    stats["entropy_sum"] += (entropy * batch["mask"]).sum().item()
+                    for k in ("mask_sum", "clip_sum", "kl_sum"):
+                        stats[k] += s[k]
+                stats["grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0)
+        stats["optimizer_steps"] = passes * len(parts)
+        stats["grad_norm"] /= stats["optimizer_steps"]  # the mean over this batch's optimizer steps
         stats["lr"] = self.engine.get_lr()[0]
         stats["seconds"] = time.perf_counter() - start
         return stats
+
+    def _set_accumulation(self, micro_batches: int) -> None:
+        """DeepSpeed steps the optimizer every `micro_batches` backwards; batches (and stages) may differ in size."""
+        if micro_batches != self.micro_batches:
+            self.engine.set_train_batch_size(self.cfg["learner"]["micro_batch_size"] * micro_batches * self.world_size)
+            self.micro_batches = micro_batches
 
     def named_weights(self):
         """(name, full tensor) for every parameter; under ZeRO-3 all ranks must iterate together."""
@@ -334,6 +346,12 @@ def gather_ranks(calls: list, ranks: list, what: str) -> list:
     return ray.get(calls)
 
 
+def optimizer_steps_per_batch(stage_cfg) -> int:
+    """Optimizer steps one GRPO rollout batch makes: passes x mini-batches."""
+    batch = stage_cfg.rollout.prompts_per_step * stage_cfg.rollout.group_size
+    return stage_cfg.algorithm.updates_per_batch * (batch // (stage_cfg.learner.mini_batch_size or batch))
+
+
 class LearnerGroup:
     """The driver's handle on the K DeepSpeed ranks: fans calls out and combines their answers. Every call that
     all ranks join goes through `gather_ranks`, so one failing rank stops the run instead of hanging it."""
@@ -344,9 +362,10 @@ class LearnerGroup:
         self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}")).remote(
             i, res.num, res.threads) for i in range(res.num)]
         master = ray.get(self.ranks[0].address.remote())
-        stages = [(stage, cfg.for_stage(i).algorithm) for i, stage in enumerate(cfg.stage_plan())]
-        total_updates = sum(stage.steps * (alg.updates_per_batch if stage.kind == "grpo" else 1) for stage, alg in stages)
-        with_reference = any(stage.kind == "grpo" and alg.kl_beta > 0 for stage, alg in stages)
+        stages = [(stage, cfg.for_stage(i)) for i, stage in enumerate(cfg.stage_plan())]
+        total_updates = sum(stage.steps * optimizer_steps_per_batch(stage_cfg) if stage.kind == "grpo" else stage.steps
+                            for stage, stage_cfg in stages)
+        with_reference = any(stage.kind == "grpo" and stage_cfg.algorithm.kl_beta > 0 for stage, stage_cfg in stages)
         self._all([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference) for r in self.ranks],
                   "setup")
         if resume_from is not None:
@@ -354,13 +373,17 @@ class LearnerGroup:
 
     def train(self, trajectory_refs: list, advantages: list[float] | None, stage_cfg, objective: str = "grpo") -> dict:
         """One batch on every rank: rollouts with their advantages (grpo) or demonstrations (sft)."""
-        per_rank = self._all([r.train.remote(trajectory_refs, advantages, stage_cfg.algorithm.model_dump(), objective,
-                                             stage_cfg.rollout.temperature, stage_cfg.learner.lr) for r in self.ranks],
+        algorithm = stage_cfg.algorithm.model_dump()
+        algorithm["loss_norm_length"] = algorithm["loss_norm_length"] or stage_cfg.rollout.max_new_tokens
+        per_rank = self._all([r.train.remote(trajectory_refs, advantages, algorithm, objective,
+                                             stage_cfg.rollout.temperature, stage_cfg.learner.lr,
+                                             stage_cfg.learner.mini_batch_size) for r in self.ranks],
                              f"a {objective} step")
         summed = {k: sum(p[k] for p in per_rank) for k in ("loss", "mask_sum", "clip_sum", "kl_sum", "entropy_sum")}
-        # Each rank's loss is its share of the batch loss; per update they add up to it.
-        summed["loss"] /= per_rank[0]["updates"]
+        # Each rank's loss is its share of a mini-batch loss; per optimizer step they add up to it.
+        summed["loss"] /= per_rank[0]["optimizer_steps"]
         return {**summed, "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
+                "optimizer_steps": per_rank[0]["optimizer_steps"],
                 "seconds": max(p["seconds"] for p in per_rank)}
 
     def _all(self, calls: list, what: str) -> list:

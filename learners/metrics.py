@@ -115,7 +115,7 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
             "branch_budget": sum(s["branch_budget"] for s in summaries)} if "branch_events" in summaries[0] else {}),
         "kl": train["kl_sum"] / mask_sum, "entropy": train["entropy_sum"] / mask_sum,
         "clip_fraction": train["clip_sum"] / mask_sum, "grad_norm": train["grad_norm"], "lr": train["lr"],
-        "loss": train["loss"],
+        "loss": train["loss"], "optimizer_steps": train["optimizer_steps"],
         "generate_s": max(s["seconds"] for s in summaries), "reward_s": max(s["seconds"] for s in scores), "train_s": train["seconds"],
         **sync,
         "tokens_per_s": tokens / max(max(s["seconds"] for s in summaries), 1e-9),

@@ -146,3 +146,29 @@ def test_learner_forward_in_bfloat16_autocast_keeps_float32_weights_and_logprobs
     mixed.sum().backward()
     weight = model.get_input_embeddings().weight
     assert weight.dtype == torch.float32 and weight.grad is not None and weight.grad.dtype == torch.float32
+
+
+def test_dr_grpo_constant_normaliser():
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    # (1 + 2 + 3 + 4) / (B * L) with B = 2 sequences and the constant L = 5, whatever the rollouts' lengths
+    assert algo.aggregate_loss(per_token, mask, "token_sum_norm", norm_length=5).item() == pytest.approx(10 / 10)
+    parts = sum(algo.aggregate_loss(per_token[i:i + 1], mask[i:i + 1], "token_sum_norm",
+                                    algo.loss_denominator("token_sum_norm", [3, 1], norm_length=5), norm_length=5)
+                for i in range(2))
+    assert parts.item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="norm_length"):
+        algo.aggregate_loss(per_token, mask, "token_sum_norm")
+
+
+def test_loss_denominators_of_a_batch():
+    assert algo.loss_denominator("token_mean", [3, 1]) == 4
+    assert algo.loss_denominator("seq_mean", [3, 1]) == 2
+    assert algo.loss_denominator("token_sum_norm", [3, 1], norm_length=64) == 128
+
+
+def test_mini_batches_split_a_rollout_batch_contiguously():
+    assert algo.mini_batches(8, 4) == [slice(0, 4), slice(4, 8)]
+    assert algo.mini_batches(8, None) == [slice(0, 8)]
+    with pytest.raises(ValueError, match="does not divide"):
+        algo.mini_batches(8, 3)

@@ -64,6 +64,14 @@ def test_batch_must_divide_over_learner_ranks():
         load_config(QUICKSTART, ["rollout.prompts_per_step=3", "rollout.group_size=1", "cluster.learner.num=2"])
 
 
+def test_mini_batch_must_divide_the_rollout_batch_and_the_ranks():
+    # quickstart: 4 prompts x 4 samples on 2 learner ranks
+    assert load_config(QUICKSTART, ["learner.mini_batch_size=8"]).learner.mini_batch_size == 8
+    for bad in (6, 1):
+        with pytest.raises(ConfigError, match="mini_batch_size"):
+            load_config(QUICKSTART, [f"learner.mini_batch_size={bad}"])
+
+
 def test_impossible_resources_are_refused_naming_the_fields():
     cfg = ClusterConfig.model_validate({"rollout": {"num": 4, "num_gpus": 1}})
     with pytest.raises(PlacementError, match=r"GPU .*cluster.rollout: 4 x 1"):

@@ -74,6 +74,16 @@ def test_one_step_off_overlaps_with_a_version_lag_of_one(ray_session, tiny_model
     assert [m["version_lag"] for m in metrics] == [0, 1, 1]
 
 
+def test_mini_batches_make_several_optimizer_steps_per_rollout_batch(ray_session, tiny_model_path, tmp_path):
+    """Med-R3's PPO-style schedule: 16 rollouts, mini-batches of 8, two passes -> 4 optimizer steps a batch, each
+    ratio against the behaviour log-probs; with Dr.GRPO's constant normaliser the run still trains and syncs."""
+    metrics = run(tmp_path, "learner.mini_batch_size=8", "algorithm.updates_per_batch=2",
+                  "algorithm.loss_agg=token_sum_norm", "checkpoint.every=10")
+    assert [m["optimizer_steps"] for m in metrics] == [4, 4, 4]
+    assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
+    assert any(m["grad_norm"] > 0 for m in metrics)
+
+
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport):
     """After an update, an engine that did not take the new weights disagrees with the learner; after the sync
