@@ -5,8 +5,8 @@
         [dotted.key=value ...]
 
 The config supplies the grammar (retrieval, turn limits), resources and sampling length; decoding is greedy.
-Multiple choice: accuracy with a 95% Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a
-95% normal interval. Both: format rate, response length, environment calls and errors per sample. Writes
+Multiple choice: accuracy with a 95% Wilson interval. Closed (yes/no) questions: exact-match `closed_accuracy`, also
+with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval. Both: format rate, response length, environment calls and errors per sample. Writes
 `eval.json` and `eval.md` into --out (default: <checkpoint>/eval).
 
 `--cdir` adds Med-RwR's test-time image re-retrieval (learners/cdir.py) over an image index (`--image-index`, built by
@@ -46,8 +46,15 @@ def mean_interval(values: list[float], z: float = 1.96) -> dict:
     return {"mean": float(arr.mean()), "low": float(arr.mean() - half), "high": float(arr.mean() + half)}
 
 
+def proportion(flags: list[bool]) -> dict:
+    """A success rate with its 95% Wilson interval and n."""
+    low, high = wilson_interval(sum(flags), len(flags))
+    return {"mean": sum(flags) / len(flags), "low": low, "high": high, "n": len(flags)}
+
+
 def score(trajectories: list, summaries: list[dict]) -> dict:
-    """Metrics of greedy episodes, one per task."""
+    """Metrics of greedy episodes, one per task: accuracy (multiple choice), exact-match `closed_accuracy` (closed
+    yes/no questions, by the task's `answer_type`), text similarity (open questions), and format and tool use."""
     from rewards.builtin import answer_correct, extract_answer
     from rewards.text_similarity import bleu1, rouge1, score_against_gold
 
@@ -62,10 +69,13 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
     if with_gold_doc and any(t.turns for t in with_gold_doc):  # the policy could retrieve the gold document
         metrics["gold_retrieved"] = mean_interval([gold_retrieved(t) for t in with_gold_doc])
     if mcq:
-        correct = sum(answer_correct(t) for t in mcq)
-        low, high = wilson_interval(correct, len(mcq))
-        metrics["accuracy"] = {"mean": correct / len(mcq), "low": low, "high": high, "n": len(mcq)}
-    open_ended = [t for t in trajectories if not t.task.get("options")]
+        metrics["accuracy"] = proportion([answer_correct(t) for t in mcq])
+    free = [t for t in trajectories if not t.task.get("options")]
+    is_closed = [(t.task.get("metadata") or {}).get("answer_type") == "closed" for t in free]
+    closed = [t for t, c in zip(free, is_closed) if c]
+    if closed:  # yes/no: the answer is right or wrong, so exact match (normalised), not text similarity
+        metrics["closed_accuracy"] = proportion([answer_correct(t) for t in closed])
+    open_ended = [t for t, c in zip(free, is_closed) if not c]
     if open_ended:
         from rewards.semantic import load_bertscore, load_encoder
         pairwise = {"bleu1": lambda a, g: [bleu1(x, y) for x, y in zip(a, g)],

@@ -26,6 +26,14 @@ def test_multiple_choice_accuracy():
     assert metrics["accuracy"]["mean"] == pytest.approx(2 / 3) and metrics["accuracy"]["n"] == 3
 
 
+def test_closed_questions_are_scored_by_exact_match_not_similarity():
+    closed = {"answer": "No", "options": None, "references": ["No"], "metadata": {"answer_type": "closed"}}
+    metrics = score([traj("no.", closed), traj("Yes", closed), traj("No", closed)], [SUMMARY])
+    assert metrics["closed_accuracy"]["mean"] == pytest.approx(2 / 3) and metrics["closed_accuracy"]["n"] == 3
+    assert (metrics["closed_accuracy"]["low"], metrics["closed_accuracy"]["high"]) == pytest.approx(wilson_interval(2, 3))
+    assert "bleu1" not in metrics and "accuracy" not in metrics
+
+
 def test_open_ended_metrics_equal_the_libraries():
     pairs = [("marfan syndrome", "Marfan syndrome"), ("tall stature with lens dislocation", "Marfan syndrome type 1")]
     trajs = [traj(a, {"answer": g, "options": None, "references": []}) for a, g in pairs]
