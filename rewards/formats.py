@@ -86,3 +86,30 @@ def medvista_format(trajectories: list[Trajectory], think: str = "think", tool_c
     """1 if the response follows MedVistaGym's format, else 0."""
     return {"format": [float(medvista_format_ok(t.text, think, tool_call, answer, min_tool_calls))
                        for t in trajectories]}
+
+
+def is_repetitive(text: str, observation: str = "tool_response", ngram: int = 8, repeats: int = 3) -> bool:
+    """True if some run of `ngram` words the policy wrote occurs `repeats` or more times: the degenerate loops a
+    sampled policy falls into. Text inside <observation> blocks is the environment's and is left out."""
+    own = re.sub(rf"<{observation}>.*?</{observation}>", " ", text, flags=re.S).split()
+    counts: dict[tuple[str, ...], int] = {}
+    for i in range(len(own) - ngram + 1):
+        key = tuple(own[i:i + ngram])
+        counts[key] = counts.get(key, 0) + 1
+        if counts[key] >= repeats:
+            return True
+    return False
+
+
+@register_reward("medvista_accuracy")
+def medvista_accuracy(trajectories: list[Trajectory], think: str = "think", tool_call: str = "tool_call",
+                      answer: str = "answer", observation: str = "tool_response", min_tool_calls: int = 1,
+                      ngram: int = 8, repeats: int = 3) -> dict[str, list[float]]:
+    """MedVistaGym's gated accuracy (004_060a9c9a8c22b8bf.txt, sec. 3.2): 1 only if the response is well-formed
+    (MedVistaGym's format), free of repetitive generation and its answer is correct; plain correctness is logged
+    as `metric/ungated_accuracy`."""
+    correct = [answer_correct(t) for t in trajectories]
+    gated = [float(ok and medvista_format_ok(t.text, think, tool_call, answer, min_tool_calls)
+                   and not is_repetitive(t.text, observation, ngram, repeats))
+             for t, ok in zip(trajectories, correct)]
+    return {"accuracy": gated, "metric/ungated_accuracy": [float(ok) for ok in correct]}

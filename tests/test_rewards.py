@@ -13,7 +13,8 @@ from sacrebleu.metrics import BLEU
 
 from actors.trajectory import Trajectory
 from rewards.adaptive import Adapt, ArmedSemantic, calibrate, next_threshold
-from rewards.formats import med_r3_format, med_rwr_format, med_rwr_format_score, medvista_format, medvista_format_ok
+from rewards.formats import (is_repetitive, med_r3_format, med_rwr_format, med_rwr_format_score, medvista_accuracy,
+                             medvista_format, medvista_format_ok)
 from rewards.nci import group_nci, nci
 from rewards.registry import make_reward
 from actors.encoders import minilm_path
@@ -238,6 +239,20 @@ def test_medvista_format(text, ok):
 
 def test_medvista_format_tag_names_and_tool_count_are_arguments():
     assert medvista_format_ok("<reason>a</reason><final>B</final>", think="reason", answer="final", min_tool_calls=0)
+
+
+def test_medvista_accuracy_is_gated_on_format_and_no_repetition():
+    call = '<tool_call>{"name": "zoom_in"}</tool_call><tool_response>crop crop crop crop crop crop crop crop crop'
+    loop = " ".join(["the lesion is in the left lung"] * 4)  # its 8-word runs recur 3 times
+    batch = [traj(f"<think>a</think>{call}</tool_response><think>b</think><answer>A</answer>", **MCQ),  # well-formed
+             traj("<think>a</think><answer>A</answer>", **MCQ),                                      # no tool call
+             traj(f"<think>{loop}</think>{call}</tool_response><think>b</think><answer>A</answer>", **MCQ),  # loops
+             traj(f"<think>a</think>{call}</tool_response><think>b</think><answer>B</answer>", **MCQ)]   # wrong
+    scores = medvista_accuracy(batch)
+    assert scores["accuracy"] == [1.0, 0.0, 0.0, 0.0]
+    assert scores["metric/ungated_accuracy"] == [1.0, 1.0, 1.0, 0.0]
+    # the environment's repeated words inside <tool_response> are not the policy's
+    assert not is_repetitive(batch[0].text) and is_repetitive(batch[2].text)
 
 
 # ---- tool rewards -------------------------------------------------------------------------------------------------
