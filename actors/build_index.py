@@ -11,6 +11,7 @@ when the cores are shared), so the whole HPO knowledge base (38.9k chunks) takes
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -20,9 +21,16 @@ from actors.encoders import Encoder, load_encoder
 from actors.retrieval_index import (IndexConfig, IndexMismatchError, check_manifest, read_manifest, resolve_corpus,
                                     write_index)
 from tasks.files import file_lock, sha256_file
+from tasks.hpo import cache_dir
 
 
 CHUNK_FIELDS = ("id", "doc_id", "title", "text", "source")
+
+
+def default_index_dir(kb: str, kind: str, shards: int) -> Path:
+    """Where the index of knowledge base `kb` is cached: one directory per corpus path, kind and shard count."""
+    tag = hashlib.sha256(str(Path(kb).resolve()).encode() if kb != "hpo" else b"hpo").hexdigest()[:10]
+    return cache_dir() / "indexes" / f"{Path(kb).stem}-{kind}-{shards}shard-{tag}"
 
 
 def read_chunks(path: str | os.PathLike) -> list[dict]:

@@ -107,6 +107,20 @@ class LRUCache:
             self._entries.popitem(last=False)
 
 
+def config_for_index(index_dir: str | os.PathLike, config: RetrievalConfig | dict | None) -> RetrievalConfig:
+    """The search settings `config` as index `index_dir` can serve them: an index without dense vectors (built with
+    kind 'none') is searched sparse unless a mode was asked for; asking it for dense or hybrid search is a
+    ValueError naming the index. Reads only the manifest, so callers can check settings before loading anything."""
+    config = config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))
+    if config.mode == "sparse" or read_manifest(shard_dirs(index_dir)[0])["encoder"] is not None:
+        return config
+    if "mode" in config.model_fields_set:
+        raise ValueError(f"{index_dir} is a sparse-only index (built with kind 'none'): it cannot serve search mode "
+                         f"{config.mode!r}; use mode 'sparse', or build a dense index (--index flat) for "
+                         f"{config.mode!r}")
+    return config.model_copy(update={"mode": "sparse"})
+
+
 class LocalRetriever:
     """Searches one (unsharded, or one shard's) index directory in this process.
 
@@ -125,12 +139,9 @@ class LocalRetriever:
         if "shards" in self.manifest:
             raise ValueError(f"{index_dir} is a sharded index ({len(self.manifest['shards'])} shards): load one "
                              f"shard directory, or search them all with ShardedRetriever")
-        self.config = config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))
+        self.config = config_for_index(self.index_dir, config)
         built = self.manifest["encoder"]
         if built is None:  # a BM25-only index
-            if self.config.mode != "sparse":
-                raise ValueError(f"{index_dir} is a sparse-only index (built with kind 'none'); search it with "
-                                 f"mode 'sparse', or build a dense one for mode {self.config.mode!r}")
             encoder = None
         elif not isinstance(encoder, Encoder):
             encoder = load_encoder(encoder or built["source"], pooling=built["pooling"], max_length=built["max_length"])

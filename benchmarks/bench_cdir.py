@@ -1,4 +1,4 @@
-"""CDIR on vs off at evaluation (Med-RwR's confidence-driven image re-retrieval, learners/cdir.py), with the tiny
+"""CDIR on vs off at evaluation (Med-RwR's confidence-driven image re-retrieval, actors/cdir.py), with the tiny
 random BiomedCLIP and with the tiny one trained contrastively on the imaging world's training pairs.
 
     python benchmarks/bench_cdir.py --checkpoint CKPT [--clip-steps 600] [--data imaging:condition_mcq_test]

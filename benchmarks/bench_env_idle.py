@@ -55,7 +55,7 @@ def main() -> None:
     from actors.gym import ToolsConfig, make_tool_environment
     from actors.retrieval_index import IndexConfig
     from actors.retriever import Retriever
-    from cluster.environments import default_index_dir
+    from actors.build_index import default_index_dir
     from cluster.ray_session import start_or_join
     from learners.config import ClusterConfig, TinyModelConfig
     from learners.data import load_tasks

@@ -2,19 +2,10 @@
 (retrievers) and what rewards call (the LLM judge) — which start, with what, and where (one placement bundle each)."""
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 from actors.environment import Environment, RetrievalEnvironment
 from cluster.placement import Placement
-
-
-def default_index_dir(kb: str, kind: str, shards: int) -> Path:
-    """Where the index of knowledge base `kb` is cached: one directory per corpus path, kind and shard count."""
-    from tasks.hpo import cache_dir
-
-    tag = hashlib.sha256(str(Path(kb).resolve()).encode() if kb != "hpo" else b"hpo").hexdigest()[:10]
-    return cache_dir() / "indexes" / f"{Path(kb).stem}-{kind}-{shards}shard-{tag}"
 
 
 def policy_acts(cfg) -> bool:
@@ -24,7 +15,7 @@ def policy_acts(cfg) -> bool:
 
 def ensure_run_index(cfg) -> Path:
     """The run's retrieval index directory (`retrieval.index_dir`, else the cache's), built first unless current."""
-    from actors.build_index import ensure_index
+    from actors.build_index import default_index_dir, ensure_index
 
     r = cfg.retrieval
     index_dir = Path(r.index_dir) if r.index_dir else default_index_dir(r.kb, r.index.kind, r.shards)

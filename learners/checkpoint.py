@@ -11,11 +11,12 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from tasks.files import sha256_file
+from tasks.files import sha256_file, verify_manifest
 
 log = logging.getLogger("medray.checkpoint")
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
+RUN_CONFIG = "run.yaml"  # the resolved config of the stage that wrote the checkpoint
 
 
 def staging_dir(root: Path, step: int) -> Path:
@@ -53,17 +54,7 @@ def _steps(root: Path) -> list[int]:
 
 def verify(path: Path) -> str | None:
     """None if every file in the manifest is present with its checksum, else what is wrong."""
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as e:
-        return f"no readable manifest ({e})"
-    for name, digest in manifest["files"].items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if sha256_file(f) != digest:
-            return f"{name} does not match its checksum"
-    return None
+    return verify_manifest(path, MANIFEST)
 
 
 def latest_valid(root: Path) -> Path | None:

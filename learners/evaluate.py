@@ -9,7 +9,7 @@ Multiple choice: accuracy with a 95% Wilson interval. Closed (yes/no) questions:
 with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval. Both: format rate, response length, environment calls and errors per sample. Writes
 `eval.json` and `eval.md` into --out (default: <checkpoint>/eval).
 
-`--cdir` adds Med-RwR's test-time image re-retrieval (learners/cdir.py) over an image index (`--image-index`, built by
+`--cdir` adds Med-RwR's test-time image re-retrieval (actors/cdir.py) over an image index (`--image-index`, built by
 `python -m actors.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first
 use): the report gains its rows (how often it fired; accuracy and confidence before and after). The metrics above are
 those of the first answers. A text-only policy on an imaging task reads the question without its images (it cannot
@@ -194,7 +194,7 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
             from transformers import AutoTokenizer
 
             from actors.image_index import ImageRetriever, ensure_image_index
-            from learners.cdir import apply_cdir
+            from actors.cdir import apply_cdir
 
             index_dir = image_index or str(ensure_image_index(progress=True))
             image_retriever = ImageRetriever.options(num_cpus=0, name="EvalImageRetriever-0").remote(index_dir)

@@ -366,6 +366,8 @@ class Trainer:
         tmp = ckpt.staging_dir(self.ckpt_root, self.step)
         self.learners.save(tmp)
         self.tokenizer.save_pretrained(tmp)
+        # The stage's resolved config travels with the weights: serving takes the grammar and retrieval from it.
+        (tmp / ckpt.RUN_CONFIG).write_text(yaml.safe_dump(self.stage_cfg.dump(), sort_keys=False))
         reward_states = ray.get([r.state_dict.remote() for r in self.rewarders])
         ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
                                                      "stage": self.stage_index, "reward_states": reward_states},

@@ -4,7 +4,7 @@ The same grammar as training (`actors.environment.Grammar`): the model writes un
 (`</query>`), the query goes to the retriever, the hits come back inside the observation tag (`<retrieve>...`) and the
 model continues, until it closes `</answer>`, runs out of turns or of its token budget.
 
-CDIR (Med-RwR's test-time image re-retrieval, `learners/cdir.py`): when the request's image and an image search are
+CDIR (Med-RwR's test-time image re-retrieval, `actors/cdir.py`): when the request's image and an image search are
 given, the answer's confidence (the probability of the option token after `<answer>`, from the engine's log-prob of
 the sampled token: vLLM's default `raw_logprobs`, the model's own distribution whatever the temperature) below the
 threshold drops the answer turn, shows the most similar image-caption case as an observation, and answers again.
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from actors.environment import Grammar, retrieval_text, turn_seed
-from learners.cdir import THRESHOLD, answer_confidence, case_text, cdir_fires, token_pieces
+from actors.cdir import THRESHOLD, answer_confidence, case_text, cdir_fires, token_pieces
 
 # (prompt ids, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None, log-probs of
 # the token ids)
@@ -57,14 +57,16 @@ class AgentResult:
 
 async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int], *,
                     prefix: str = "", max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                    timeout_s: float, cdir: Cdir | None = None) -> AgentResult:
-    """Drive one episode. `prefix` is text already in the prompt that belongs to the model's first turn (a continued
+                    timeout_s: float, cdir: Cdir | None = None, show: str = "passages",
+                    options: dict[str, str] | None = None) -> AgentResult:
+    """Drive one episode. Hits are shown as training showed them (`actors.environment.retrieval_text`: `show`, and
+    with `options`, a multiple-choice question's {letter: text}, each hit named like an option is linked to it). `prefix` is text already in the prompt that belongs to the model's first turn (a continued
     assistant message), so a query it opened is closed by the first generation. `max_tokens` bounds the model's
     tokens; the grammar's `max_response_tokens` bounds model and retriever tokens together. `cdir`: re-retrieve by
     image when the answer's confidence is below its threshold (an episode that ends without an answer has no
     confidence, and CDIR does not fire)."""
     result = await _episode(generate, search, tokenizer, grammar, prompt_ids, prefix, max_tokens, max_model_len,
-                            stop, seed, timeout_s, cdir)
+                            stop, seed, timeout_s, cdir, show, options)
     if cdir is not None and result.cdir is None:
         result = dataclasses.replace(result, cdir={"fired": False, "threshold": cdir.threshold})
     return result
@@ -72,7 +74,7 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
 
 async def _episode(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int],
                    prefix: str, max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                   timeout_s: float, cdir: Cdir | None) -> AgentResult:
+                   timeout_s: float, cdir: Cdir | None, show: str, options: dict[str, str] | None) -> AgentResult:
     """The loop of :func:`run_agent`; its result has a CDIR record only when the episode answered."""
     ids, transcript, segment = list(prompt_ids), "", prefix
     written, turns = 0, []
@@ -106,7 +108,7 @@ async def _episode(generate: Generate, search: Search, tokenizer, grammar: Gramm
         query = grammar.action_text(segment)
         hits, error = await _search(search, query, grammar.top_k, timeout_s)
         turns.append({"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
-        observation = grammar.wrap_observation(retrieval_text(hits, error))
+        observation = grammar.wrap_observation(retrieval_text(hits, error, show=show, options=options))
         observation_ids = tokenizer.encode(observation, add_special_tokens=False)[:grammar.max_observation_tokens]
         ids += observation_ids
         transcript += tokenizer.decode(observation_ids, skip_special_tokens=False)

@@ -10,6 +10,7 @@ fields; nested ones as dotted keys (`engine.max_model_len=512`, `agent.index_dir
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import json
@@ -32,10 +33,13 @@ from serve.images import load_image
 from serve.metrics import serve_metrics
 from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, decode_body,
                             finish_reason, parse_request, usage, usage_chunk)
+from serve.retrievers import ImageRetrieverServer, RetrieverServer
+from tasks.schema import parse_option_listing
 
 log = logging.getLogger("medray.serve")
 
 ROUTES = ("/health", "/v1/models", "/v1/chat/completions")
+HEALTH_TIMEOUT_S = 5.0
 
 api = FastAPI(title="medray", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -116,42 +120,6 @@ def sse(event: dict | str) -> str:
     return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
 
 
-@serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.5}, health_check_period_s=30)
-class RetrieverServer:
-    """`actors.retriever` over one index (a sharded one through one actor per shard) as a Serve deployment, so it
-    scales and restarts with the app."""
-
-    def __init__(self, index_dir: str, retrieval: dict):
-        from actors.retrieval_index import read_manifest
-        from actors.retriever import LocalRetriever, ShardedRetriever
-        from cluster.devices import pin_threads
-
-        threads = max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)))
-        pin_threads(threads)
-        sharded = "shards" in read_manifest(index_dir)
-        self.retriever = (ShardedRetriever(index_dir, threads=threads, config=retrieval) if sharded
-                          else LocalRetriever(index_dir, config=retrieval))
-
-    def search(self, queries: list[str], top_k: int) -> list[list[dict]]:
-        return self.retriever.search(queries, top_k)
-
-
-@serve.deployment(name="ImageRetriever", ray_actor_options={"num_cpus": 0.25}, health_check_period_s=30)
-class ImageRetrieverServer:
-    """CDIR's image-caption index (`actors.image_index`, BiomedCLIP image cosine) as a Serve deployment: the most
-    similar cases of an agent request's image."""
-
-    def __init__(self, index_dir: str):
-        from actors.image_index import LocalImageRetriever
-        from cluster.devices import pin_threads
-
-        pin_threads(max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))))
-        self.retriever = LocalImageRetriever(index_dir)
-
-    def search(self, images: list, top_k: int) -> list[list[dict]]:
-        return self.retriever.search(images, top_k)
-
-
 @serve.deployment(name="ChatServer", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
                   health_check_period_s=10, health_check_timeout_s=60)
 @serve.ingress(api)
@@ -183,7 +151,13 @@ class ChatServer:
 
     @api.get("/health")
     async def health(self) -> dict:
+        """200 once this replica's engine and, in agent mode, a retriever replica answer; 503 until then."""
         await self.engine.check_health()
+        if self.retriever is not None:
+            try:
+                await asyncio.wait_for(self.retriever.ready.remote(), HEALTH_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001  starting, restarting or failed: not ready either way
+                raise APIError(503, f"the retriever is not ready ({type(e).__name__})", code="not_ready") from None
         return {"status": "ok"}
 
     @api.get("/v1/models")
@@ -349,9 +323,9 @@ class ChatServer:
         """Run the retrieval loop to the end, then answer (as one completion, or as a short event stream). With an
         image retriever and an image in the request, CDIR re-retrieves by the first image on a low-confidence
         answer."""
-        options = req.agent or AgentOptions()
+        asked = req.agent or AgentOptions()
         grammar = self.settings.agent.grammar.model_copy(update={
-            k: v for k, v in {"max_turns": options.max_turns, "top_k": options.top_k}.items() if v is not None})
+            k: v for k, v in {"max_turns": asked.max_turns, "top_k": asked.top_k}.items() if v is not None})
         turn_ids = itertools.count()
 
         async def generate(ids: list[int], budget: int, stops: list[str], seed: int | None):
@@ -371,17 +345,19 @@ class ChatServer:
         cdir = Cdir(prompt.images[0], search_images, self.settings.agent.cdir_threshold) \
             if self.image_retriever is not None and prompt.images else None
         prefix = req.messages[-1].content if req.continue_final_message else ""
+        agent = self.settings.agent
+        options = parse_option_listing(last_user_text(req)) if agent.link_options else None
         # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
         result = await run_agent(generate, search, self.tokenizer, grammar, prompt.ids,
                                  prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
                                  max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
-                                 stop=req.stop_list, seed=req.seed, timeout_s=self.settings.agent.retrieval_timeout_s,
-                                 cdir=cdir)
+                                 stop=req.stop_list, seed=req.seed, timeout_s=agent.retrieval_timeout_s,
+                                 cdir=cdir, show=agent.show, options=options)
         self.metrics.agent_turns(result.turns)
         self.metrics.finished("agent", req.stream, time.perf_counter() - started, prompt.num_tokens,
                               result.completion_tokens)
         reason = "stop" if result.answer is not None else "length"
-        extra = {"trace": result.trace()} if options.trace else {}
+        extra = {"trace": result.trace()} if asked.trace else {}
         token_usage = usage(prompt.num_tokens, result.completion_tokens)
         if not req.stream:
             return completion(cid, req.model, result.answer or "", reason, token_usage, **extra)
@@ -392,14 +368,22 @@ class ChatServer:
         return StreamingResponse(iter([sse(e) for e in events] + [sse("[DONE]")]), media_type="text/event-stream")
 
 
+def last_user_text(req: ChatRequest) -> str:
+    """The text of the request's last user message (its text parts, for a multi-part message)."""
+    content = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
+    return content if isinstance(content, str) else "\n".join(p.text or "" for p in content if p.type == "text")
+
+
 def app(args: dict) -> serve.Application:
-    """The app builder `serve run serve.app:app key=value ...` and Serve config files call. Refuses to build without
-    an API key or without a checkpoint directory."""
+    """The app builder `serve run serve.app:app key=value ...` and Serve config files call. Everything a replica
+    would fail on is checked here first (`ServeSettings.resolved`), so a deployment that cannot start stops
+    `serve run` at once with its cause instead of restarting replicas: no API key, a missing, damaged or non-LM
+    checkpoint, an unreadable index or a search mode it cannot serve, CDIR without a multimodal checkpoint."""
     settings = ServeSettings.model_validate(nest_dotted(args))
     digest = settings.api_key_digest()
     settings = settings.resolved()
     agent = settings.agent
-    retriever = RetrieverServer.bind(agent.index_dir, agent.retrieval) if agent.index_dir else None
+    retriever = RetrieverServer.bind(agent.index_dir, agent.retrieval) if agent.enabled else None
     image_retriever = ImageRetrieverServer.bind(agent.image_index_dir) if agent.image_index_dir else None
     return ChatServer.bind(settings.model_dump(), digest, retriever, image_retriever)
 

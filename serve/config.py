@@ -11,10 +11,11 @@ import os
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.environment import Grammar
-from learners.cdir import THRESHOLD
+from actors.cdir import THRESHOLD
 
 API_KEY_ENV = "MEDRAY_API_KEY"
 
@@ -52,16 +53,67 @@ class Limits(Strict):
 
 class AgentSettings(Strict):
     """Agent mode: the reasoning-with-retrieval loop, selected per request by model id `<name>-agent` or an
-    `agent` field in the request."""
-    index_dir: str | None = Field(None, description="retrieval index (python -m actors.build_index); none: no agent")
-    retrieval: dict = Field(default_factory=dict, description="actors.retriever.RetrievalConfig fields")
-    grammar: Grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=4, top_k=3)
+    `agent` field in the request. Every field left unset is taken from the run that wrote the checkpoint (its
+    `run.yaml`, or the run directory's `config.yaml`), so the served agent reads hits as the policy was trained to."""
+    enabled: bool | None = Field(None, description="none: whenever the run used retrieval or index_dir is given")
+    index_dir: str | None = Field(None, description="retrieval index (python -m actors.build_index); "
+                                                    "none: the run's index")
+    retrieval: dict | None = Field(None, description="actors.retriever.RetrievalConfig fields; none: the run's search "
+                                                     "settings (a BM25-only index is searched sparse)")
+    grammar: Grammar | None = Field(None, description="none: the run's rollout.grammar")
+    show: Literal["passages", "titles"] | None = Field(None, description="what the model reads of each hit; "
+                                                                         "none: the run's retrieval.show")
+    link_options: bool | None = Field(None, description="mark hits named like an option of the question; none: the "
+                                                        "run's retrieval.link_options")
     retrieval_timeout_s: float = Field(30.0, gt=0)
     image_index_dir: str | None = Field(
         None, description="CDIR's image-caption index (python -m actors.image_index): with a multimodal checkpoint, "
                           "a low-confidence agent answer is retried with the case most like the request's first image")
     cdir_threshold: float = Field(THRESHOLD, ge=0, le=1, description="CDIR fires when the confidence is below this "
                                                                      "(Med-RwR's lambda)")
+
+
+DEFAULT_GRAMMAR = Grammar(action_tag="query", observation_tag="retrieve", max_turns=4, top_k=3)
+
+
+def run_config(checkpoint: Path) -> dict | None:
+    """The resolved config of the run that wrote `checkpoint`: its own `run.yaml`, else `config.yaml` of the run
+    directory it sits in (`<run>/checkpoints/step_N`); None for a model that no medray run wrote."""
+    for path in (checkpoint / "run.yaml", checkpoint.parent.parent / "config.yaml"):
+        if path.is_file() and (path.name == "run.yaml" or checkpoint.parent.name == "checkpoints"):
+            try:
+                return yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError) as e:
+                raise ValueError(f"{path}: not a readable run config ({e})") from None
+    return None
+
+
+def agent_from_run(agent: AgentSettings, run: dict | None) -> AgentSettings:
+    """`agent` with every unset field taken from the run's retrieval and grammar (defaults without a run). Agent
+    mode is on when asked, or when not asked but the run used retrieval or an index is given."""
+    retrieval = (run or {}).get("retrieval")
+    grammar = (run or {}).get("rollout", {}).get("grammar") if retrieval else None
+    index_dir = agent.index_dir
+    if index_dir is None and retrieval:
+        from actors.build_index import default_index_dir
+        index_dir = retrieval.get("index_dir") or str(default_index_dir(
+            retrieval.get("kb", "hpo"), retrieval.get("index", {}).get("kind", "none"), retrieval.get("shards", 1)))
+    enabled = agent.enabled if agent.enabled is not None else bool(agent.index_dir or (retrieval and grammar and
+                                                                                       grammar.get("action_tag")))
+    if not enabled:
+        return agent.model_copy(update={"enabled": False, "index_dir": None})
+    if index_dir is None:
+        raise ValueError("agent.enabled: agent mode needs agent.index_dir (the run that wrote this checkpoint used "
+                         "no retrieval)")
+    search = (retrieval or {}).get("search") or {}
+    return agent.model_copy(update={
+        "enabled": True, "index_dir": index_dir,
+        "retrieval": agent.retrieval if agent.retrieval is not None else search,
+        "grammar": agent.grammar or (Grammar.model_validate({**grammar, "top_k": search.get("top_k", grammar.get(
+            "top_k", 3))}) if grammar else DEFAULT_GRAMMAR),
+        "show": agent.show or (retrieval or {}).get("show", "passages"),
+        "link_options": agent.link_options if agent.link_options is not None else
+        bool((retrieval or {}).get("link_options", False))})
 
 
 class ServeSettings(Strict):
@@ -86,20 +138,56 @@ class ServeSettings(Strict):
         return key_digest(key)
 
     def resolved(self) -> ServeSettings:
-        """Paths made absolute (replicas may run in another directory or on another node) and the key dropped (they
-        get its digest). Raises ValueError if the checkpoint is not a model directory."""
+        """Checked and made explicit before any replica starts, so a deployment that could not start fails here with
+        its cause: the checkpoint verified (a model directory of a causal LM, its manifest's checksums when it has
+        one), agent mode completed from the run that wrote it and its index opened, paths made absolute (replicas may
+        run elsewhere) and the key dropped (they get its digest). Raises ValueError naming the field."""
         checkpoint = Path(self.checkpoint).expanduser().resolve()
-        if not (checkpoint / "config.json").is_file():
-            raise ValueError(f"checkpoint {self.checkpoint} is not a Hugging Face model directory (no config.json)")
-        index_dir = self.agent.index_dir and str(Path(self.agent.index_dir).expanduser().resolve())
-        image_index_dir = self.agent.image_index_dir and str(Path(self.agent.image_index_dir).expanduser().resolve())
+        check_checkpoint(checkpoint, self.checkpoint)
+        agent = agent_from_run(self.agent, run_config(checkpoint))
+        index_dir = agent.index_dir and str(Path(agent.index_dir).expanduser().resolve())
+        image_index_dir = agent.image_index_dir and str(Path(agent.image_index_dir).expanduser().resolve())
         if image_index_dir:
             check_cdir(checkpoint, index_dir, image_index_dir)
+        retrieval = agent.retrieval
+        if index_dir:
+            from actors.retrieval_index import IndexMismatchError
+            from actors.retriever import config_for_index
+            try:
+                retrieval = config_for_index(index_dir, agent.retrieval).model_dump()
+            except (OSError, IndexMismatchError, ValueError) as e:
+                raise ValueError(f"agent.index_dir: {e}") from None
         roots = [str(Path(root).expanduser().resolve()) for root in self.limits.image_roots]
         return self.model_copy(update={
             "api_key": None, "checkpoint": str(checkpoint),
             "limits": self.limits.model_copy(update={"image_roots": roots}),
-            "agent": self.agent.model_copy(update={"index_dir": index_dir, "image_index_dir": image_index_dir})})
+            "agent": agent.model_copy(update={"index_dir": index_dir, "image_index_dir": image_index_dir,
+                                              "retrieval": retrieval})})
+
+
+def check_checkpoint(checkpoint: Path, given: str) -> None:
+    """A directory vLLM can serve: a Hugging Face causal LM (or image-text-to-text) with its tokenizer, and, when it
+    carries a medray manifest, every file the server loads matching its checksum. Raises ValueError naming it."""
+    from transformers import AutoConfig
+
+    if not (checkpoint / "config.json").is_file():
+        raise ValueError(f"checkpoint {given} is not a Hugging Face model directory (no config.json)")
+    try:
+        config = AutoConfig.from_pretrained(checkpoint)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"checkpoint {given}: config.json cannot be read ({e})") from None
+    architectures = config.architectures or []
+    if not any(a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
+        named = ", ".join(architectures) or "no architecture"
+        raise ValueError(f"checkpoint {given} is a {config.model_type} model ({named}), not a generative language "
+                         f"model")
+    if not any((checkpoint / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        raise ValueError(f"checkpoint {given} has no tokenizer (tokenizer.json / tokenizer_config.json)")
+    if (checkpoint / "manifest.json").is_file():
+        from tasks.files import verify_manifest
+        problem = verify_manifest(checkpoint, skip=lambda name: name.startswith("deepspeed/"))
+        if problem:
+            raise ValueError(f"checkpoint {given} is damaged: {problem}")
 
 
 def check_cdir(checkpoint: Path, index_dir: str | None, image_index_dir: str) -> None:

@@ -103,10 +103,21 @@ def decode_body(body: bytes):
     return payload
 
 
+# OpenAI fields that change what an answer means: refused by name rather than ignored. Their harmless values pass.
+UNSUPPORTED = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "functions": (None, []),
+               "tool_choice": (None, "none"), "function_call": (None, "none"),
+               "response_format": (None, {"type": "text"})}
+
+
 def parse_request(payload) -> ChatRequest:
-    """Validate a decoded JSON body; the first problems become one readable 400."""
+    """Validate a decoded JSON body; the first problems become one readable 400. A field this server cannot honour
+    (log-probabilities, function calling, JSON mode) is refused naming it; `n` above 1 likewise."""
     if not isinstance(payload, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for field, harmless in UNSUPPORTED.items():
+        if field in payload and payload[field] not in harmless:
+            raise APIError(400, f"{field} is not supported by this server; leave it out", param=field,
+                           code="unsupported_parameter")
     try:
         return ChatRequest.model_validate(payload)
     except ValidationError as e:

@@ -1,10 +1,15 @@
-"""What every builder shares: content checksums, an exclusive build lock, build arguments with defaults."""
+"""What every builder shares: content checksums and manifests, an exclusive build lock, build arguments with defaults."""
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -14,6 +19,26 @@ def sha256_file(path: str | os.PathLike) -> str:
         for block in iter(lambda: fh.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def verify_manifest(directory: str | os.PathLike, manifest: str = "manifest.json",
+                    skip: Callable[[str], bool] = lambda name: False) -> str | None:
+    """None if every file listed in `directory/manifest` ({"files": {relative path: sha256}}) is present with its
+    checksum, else what is wrong; files for which `skip(name)` holds are not read."""
+    directory = Path(directory)
+    try:
+        listed = json.loads((directory / manifest).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"no readable manifest ({e})"
+    for name, digest in listed.items():
+        if skip(name):
+            continue
+        f = directory / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if sha256_file(f) != digest:
+            return f"{name} does not match its checksum"
+    return None
 
 
 @contextmanager
@@ -40,10 +65,6 @@ def building_dir(out: str | os.PathLike, replace: bool = False):
     """Yield a fresh temporary sibling of `out` to build into; on success it becomes `out` by a rename, on failure it
     is removed, so concurrent or interrupted builds never leave a half-written directory at `out`. An existing `out`
     is replaced when `replace`; otherwise (a deterministic build another process finished first) it is kept."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

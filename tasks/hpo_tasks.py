@@ -26,7 +26,7 @@ from scipy.sparse import csr_matrix
 
 from tasks.hpo import Disease, Term
 from tasks.knowledge_base import KnowledgeBase, name_variants
-from tasks.schema import Message, Task
+from tasks.schema import Message, Task, option_listing
 
 LETTERS = "ABCD"
 K_STRATA = {"easy": (5, 6), "hard": (2, 3)}
@@ -206,7 +206,7 @@ class HPOTaskBuilder:
         options = {
             letter: (case.disease if letter == case.answer_letter else next(others)).name for letter in LETTERS
         }
-        listing = "\n".join(f"{letter}. {text}" for letter, text in options.items())
+        listing = option_listing(options)
         return Task(
             id=f"hpo-mcq-{split}-{index:06d}",
             messages=[system_message("letter"), Message(role="user", content=f"{self._question(case)}\n{listing}")],
@@ -287,7 +287,7 @@ class HPOTaskBuilder:
                 continue
             others = iter(distractors)
             options = {letter: (term if letter == letters[made] else next(others)).name for letter in LETTERS}
-            listing = "\n".join(f"{letter}. {text}" for letter, text in options.items())
+            listing = option_listing(options)
             question = f'Which phenotype has this definition? "{term.definition}"\n{listing}'
             yield Task(
                 id=f"hpo-warmup-{split}-{made:06d}",

@@ -52,7 +52,7 @@ import numpy as np
 from PIL import Image
 from scipy import ndimage
 
-from tasks.schema import Message, Task
+from tasks.schema import Message, Task, option_listing
 
 IMAGE_SIZE = 448
 INPUT_SIZE = 112
@@ -947,7 +947,7 @@ class ImagingTaskBuilder:
                     messages=[
                         system_message("letter"),
                         Message(role="user",
-                                content=f"{intro} What finding is present in {where}?\n{_listing(options)}"),
+                                content=f"{intro} What finding is present in {where}?\n{option_listing(options)}"),
                     ],
                     answer=letters["finding_mcq"][i],
                     options=options,
@@ -986,7 +986,7 @@ class ImagingTaskBuilder:
                     messages=[
                         system_message("letter"),
                         Message(role="user", content=f"{intro} The lesion in {where} is a recognised feature of "
-                                                     f"which of these conditions?\n{_listing(options)}"),
+                                                     f"which of these conditions?\n{option_listing(options)}"),
                     ],
                     answer=condition_letters[i],
                     options=options,
@@ -1060,10 +1060,6 @@ def case_caption(modality_key: str, lesions: list[dict]) -> str:
     parts = [f"a {les['stratum']} {les['hpo_name'][0].lower() + les['hpo_name'][1:]} ({les['hpo_id']}), "
              f"{FINDINGS_BY_KEY[les['finding']].looks}, in the {les['region']} of the image" for les in lesions]
     return f"{label[0].upper() + label[1:]} showing " + "; ".join(parts) + "."
-
-
-def _listing(options: dict[str, str]) -> str:
-    return "\n".join(f"{letter}. {text}" for letter, text in options.items())
 
 
 def render_and_save(spec: CaseSpec, out_dir: str | Path, relpath: str, hpo_ids: dict[str, str]) -> CaseResult:

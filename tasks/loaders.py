@@ -51,7 +51,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tasks.schema import Message, Task, _describe, write_tasks
+from tasks.schema import Message, Task, _describe, option_listing, write_tasks
 
 LETTERS = "ABCDEFGHIJ"
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
@@ -188,10 +188,6 @@ def _verify_image(path: Path, name: str) -> None:
         raise RowError(name, f"not a readable image: {path} ({type(e).__name__}: {e})") from None
 
 
-def _listing(options: dict[str, str]) -> str:
-    return "\n".join(f"{letter}. {text}" for letter, text in options.items())
-
-
 def _open_task(ctx, task_id, question, answer, images, meta, closed: bool) -> Task:
     kind = "yes_no" if answer.lower() in ("yes", "no") else "short"
     return Task(
@@ -207,7 +203,7 @@ def _open_task(ctx, task_id, question, answer, images, meta, closed: bool) -> Ta
 
 
 def _mcq_task(ctx, task_id, question, options, letter, images, meta, list_options: bool = True) -> Task:
-    content = f"{question}\n{_listing(options)}" if list_options else question
+    content = f"{question}\n{option_listing(options)}" if list_options else question
     return Task(
         id=task_id,
         messages=[vqa_system_message("letter"), Message(role="user", content=content)],

@@ -8,6 +8,7 @@ the line and the field, never a silently skipped row.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +54,28 @@ class Task(BaseModel):
             if len(box) != 4 or box[0] >= box[2] or box[1] >= box[3]:
                 raise ValueError(f"field 'gold_boxes': {box} is not [x0, y0, x1, y1] with x0 < x1 and y0 < y1")
         return self
+
+
+def option_listing(options: dict[str, str]) -> str:
+    """A multiple-choice question's options as every task shows them: one "A. text" line per option."""
+    return "\n".join(f"{letter}. {text}" for letter, text in options.items())
+
+
+def parse_option_listing(text: str) -> dict[str, str]:
+    """The options of the last `option_listing` block in `text` ({} when there is none): consecutive lines
+    "A. text", "B. text", ... with letters in order from A, at least two."""
+    runs, run = [], {}
+    for line in text.splitlines():
+        match = re.fullmatch(r"\s*([A-Z])\.\s+(.+?)\s*", line)
+        if match and ord(match[1]) - ord("A") == len(run):
+            run[match[1]] = match[2]
+            continue
+        if len(run) >= 2:
+            runs.append(run)
+        run = {"A": match[2]} if match and match[1] == "A" else {}
+    if len(run) >= 2:
+        runs.append(run)
+    return runs[-1] if runs else {}
 
 
 class TaskFormatError(ValueError):

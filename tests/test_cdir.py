@@ -14,7 +14,7 @@ from actors.image_index import (IndexMismatchError, LocalImageRetriever, build_i
                                 default_corpus, read_image_manifest)
 from actors.environment import Grammar
 from actors.trajectory import Trajectory
-from learners.cdir import answer_confidence, answer_token_index, cdir_fires, reanswered, token_pieces
+from actors.cdir import answer_confidence, answer_token_index, cdir_fires, reanswered, token_pieces
 from rewards.query_semantic import QuerySemanticImage, image_query_cosine
 
 PUBMEDBERT = "microsoft/BiomedNLP-BiomedBERT-base-uncased-abstract"
@@ -211,7 +211,7 @@ def test_cdir_end_to_end_on_rollout_workers(ray_session, tiny_model_path, tokeni
     ImageRetriever actor, and the worker answers again after its caption."""
     from actors.image_index import ImageRetriever
     from actors.rollout_worker import RolloutWorker
-    from learners.cdir import apply_cdir
+    from actors.cdir import apply_cdir
 
     rows = [json.loads(line) for line in corpus.read_text().splitlines()[:3]]
     worker = RolloutWorker.options(num_cpus=0).remote(str(tiny_model_path), seed=0, threads=1, max_model_len=512,

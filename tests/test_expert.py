@@ -11,7 +11,7 @@ def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_mo
     from actors.build_index import ensure_index
     from actors.environment import retrieval_text
     from actors.retriever import LocalRetriever
-    from cluster.environments import default_index_dir
+    from actors.build_index import default_index_dir
     from transformers import AutoTokenizer
 
     cfg = load_config("configs/tiny.yaml")
@@ -43,7 +43,7 @@ def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path
     demonstration's observation is exactly what RetrievalEnvironment gives a rollout for the same hits."""
     from actors.environment import Episode, RetrievalEnvironment
     from actors.retriever import LocalRetriever
-    from cluster.environments import default_index_dir
+    from actors.build_index import default_index_dir
     from transformers import AutoTokenizer
 
     cfg = load_config("configs/tiny.yaml", ["retrieval.show=titles", "retrieval.link_options=true"])

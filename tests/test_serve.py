@@ -82,6 +82,19 @@ def test_builder_refuses_without_key_or_checkpoint(tiny_model_path, tmp_path, mo
     assert type(built).__name__ == "Application"
 
 
+@pytest.mark.parametrize("field,value", [("logprobs", True), ("top_logprobs", 2), ("n", 2),
+                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("response_format", {"type": "json_object"})])
+def test_fields_that_change_the_answer_are_refused_by_name_not_ignored(field, value):
+    from serve.protocol import parse_request
+
+    body = {"model": "medray", "messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(APIError) as refused:
+        parse_request({**body, field: value})
+    assert refused.value.status == 400 and refused.value.param == field
+    assert parse_request({**body, "logprobs": False, "response_format": {"type": "text"}}).model == "medray"
+
+
 def test_images_are_checked_before_use(tmp_path):
     limits = Limits(image_roots=[str(tmp_path / "images")], max_image_bytes=10_000, max_image_pixels=64 * 64)
     (tmp_path / "images").mkdir()

@@ -1,0 +1,169 @@
+"""Serving what a run trained: the served agent takes its grammar, index, search mode and hit presentation from the
+run that wrote the checkpoint, shows hits exactly as training did, and a deployment that cannot start is refused by
+the app builder, naming its cause, before any replica starts."""
+import asyncio
+import json
+import shutil
+
+import pytest
+import yaml
+
+from actors.environment import Episode, Grammar, RetrievalEnvironment
+from tasks.expert import cut_observation
+from tasks.schema import option_listing, parse_option_listing
+
+KEY = "test-key-0123456789"
+OPTIONS = {"A": "Gout", "B": "Marfan syndrome", "C": "Cystic fibrosis", "D": "Down syndrome"}
+HITS = [{"id": "marfan#0", "doc_id": "marfan", "title": "Marfan syndrome", "text": "Tall stature, ectopia lentis."},
+        {"id": "homo#0", "doc_id": "homo", "title": "Homocystinuria", "text": "Lens dislocation, marfanoid habitus."}]
+KB = [("marfan", "Marfan syndrome", "Marfan syndrome: tall stature, arachnodactyly and ectopia lentis."),
+      ("cf", "Cystic fibrosis", "Cystic fibrosis: recurrent lung infections and salty sweat.")]
+
+
+def test_option_listing_round_trips_through_a_question():
+    question = f"A patient has arachnodactyly. Which disease?\n{option_listing(OPTIONS)}"
+    assert parse_option_listing(question) == OPTIONS
+    assert parse_option_listing("A. lonely line") == {} and parse_option_listing("no options") == {}
+
+
+@pytest.mark.parametrize("show,link", [("titles", True), ("passages", False)])
+def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_model_path, show, link):
+    from transformers import AutoTokenizer
+
+    from serve.agent import run_agent
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=1, top_k=2, max_observation_tokens=64)
+    task = {"options": OPTIONS, "answer": "B"}
+    # training and evaluation: the rollout workers' RetrievalEnvironment
+    env = RetrievalEnvironment(None, top_k=2, show=show, link_options=link)
+    trained = env.observe(Episode(task=task, group=0, seed=0, prompt_ids=[1]), "tall", HITS, None).text
+    expected = cut_observation(grammar, trained, tokenizer)  # what the engine inserts (the expert's demonstrations too)
+    if link:
+        assert "[1] Marfan syndrome (option B)" in trained and "Homocystinuria" in trained
+
+    turns = iter(["<query>tall</query>", "<answer>B</answer>"])
+
+    async def generate(ids, budget, stops, seed):  # the policy's two turns, scripted
+        text = next(turns)
+        return text, tokenizer.encode(text, add_special_tokens=False), text[text.rindex("</"):], [0.0] * 4
+
+    async def search(queries, top_k):
+        return [HITS[:top_k]]
+
+    served = asyncio.run(run_agent(generate, search, tokenizer, grammar, [1], max_tokens=64, max_model_len=512,
+                                   stop=[], seed=0, timeout_s=5, show=show,
+                                   options=parse_option_listing(option_listing(OPTIONS)) if link else None))
+    assert served.answer == "B"
+    assert served.transcript == "<query>tall</query>" + expected + "<answer>B</answer>"
+
+
+# ---------------------------------------------------------------- the settings a run leaves with its checkpoint -----
+
+@pytest.fixture(scope="module")
+def bm25_index(tmp_path_factory):
+    from actors.build_index import build_index
+    from actors.retrieval_index import IndexConfig
+
+    work = tmp_path_factory.mktemp("kb")
+    kb = work / "kb.jsonl"
+    kb.write_text("".join(json.dumps({"id": f"{d}#0", "doc_id": d, "title": t, "text": x, "source": "test"}) + "\n"
+                          for d, t, x in KB))
+    build_index(kb, work / "index", config=IndexConfig(kind="none"), progress=False)
+    return work / "index"
+
+
+@pytest.fixture
+def trained(tmp_path, tiny_model_path, bm25_index):
+    """A checkpoint as a run leaves it: weights plus the run's resolved config (titles with option links, BM25)."""
+    from learners.config import load_config
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(tiny_model_path, checkpoint)
+    cfg = load_config("configs/quickstart.yaml", [f"retrieval.index_dir={bm25_index}", "retrieval.search.top_k=4"])
+    (checkpoint / "run.yaml").write_text(yaml.safe_dump(cfg.dump()))
+    return checkpoint
+
+
+def resolved(**args):
+    from serve.config import ServeSettings
+    from serve.app import nest_dotted
+    return ServeSettings.model_validate(nest_dotted({"api_key": KEY, **args})).resolved()
+
+
+def test_agent_mode_follows_the_run_that_wrote_the_checkpoint(trained, bm25_index):
+    agent = resolved(checkpoint=str(trained)).agent
+    assert agent.enabled and agent.index_dir == str(bm25_index.resolve())
+    assert (agent.show, agent.link_options) == ("titles", True)
+    assert agent.grammar.action_tag == "query" and agent.grammar.top_k == 4
+    assert agent.grammar.max_observation_tokens == 128  # the quickstart's
+    assert agent.retrieval["mode"] == "sparse"
+    # explicit settings override the run's
+    agent = resolved(checkpoint=str(trained), **{"agent.show": "passages", "agent.link_options": "false"}).agent
+    assert (agent.show, agent.link_options) == ("passages", False)
+    assert resolved(checkpoint=str(trained), **{"agent.enabled": "false"}).agent.enabled is False
+
+
+def test_a_bm25_index_is_searched_sparse_unless_another_mode_is_asked_for(tiny_model_path, bm25_index):
+    assert resolved(checkpoint=str(tiny_model_path), **{"agent.index_dir": str(bm25_index)}).agent.retrieval[
+        "mode"] == "sparse"
+    with pytest.raises(ValueError, match=r"agent.index_dir: .* sparse-only index .* cannot serve search mode 'hybrid'"):
+        resolved(checkpoint=str(tiny_model_path), **{"agent.index_dir": str(bm25_index),
+                                                     "agent.retrieval": {"mode": "hybrid"}})
+
+
+def test_deployments_that_cannot_start_are_refused_naming_the_cause(trained, tmp_path, tiny_model_path, monkeypatch):
+    from serve.app import app
+
+    ok = trained.parent / "step_3"
+    shutil.copytree(trained, ok)
+    from tasks.files import sha256_file
+    (ok / "manifest.json").write_text(json.dumps({"step": 3, "files": {
+        name: sha256_file(ok / name) for name in ("config.json", "model.safetensors")}}))
+    resolved(checkpoint=str(ok))  # a verified checkpoint passes
+
+    damaged = trained.parent / "step_4"
+    shutil.copytree(ok, damaged)
+    with open(damaged / "model.safetensors", "r+b") as fh:
+        fh.truncate(1000)
+    with pytest.raises(ValueError, match="step_4 is damaged: model.safetensors does not match its checksum"):
+        resolved(checkpoint=str(damaged))
+
+    with pytest.raises(ValueError, match="not a Hugging Face model directory"):
+        resolved(checkpoint=str(tmp_path / "missing"))
+
+    encoder = tmp_path / "encoder"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(ValueError, match="is a bert model .BertModel., not a generative language model"):
+        resolved(checkpoint=str(encoder))
+
+    broken_index = tmp_path / "index"
+    broken_index.mkdir()
+    (broken_index / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="agent.index_dir: .* not a readable index manifest"):
+        resolved(checkpoint=str(tiny_model_path), **{"agent.index_dir": str(broken_index)})
+    with pytest.raises(ValueError, match="agent.index_dir: .* is not a retrieval index"):
+        resolved(checkpoint=str(tiny_model_path), **{"agent.index_dir": str(tmp_path)})
+
+    monkeypatch.delenv("MEDRAY_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="no API key"):
+        app({"checkpoint": str(ok)})
+
+
+@pytest.mark.slow
+def test_serve_run_exits_at_once_with_the_cause(tmp_path):
+    """The command users type: a checkpoint that is not a model stops `serve run` within seconds, the cause on its
+    console, instead of a replica restart loop."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    started = time.monotonic()
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "serve"), "run", "serve.app:app",
+                           f"checkpoint={tmp_path}"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "MEDRAY_API_KEY": KEY, "RAY_ADDRESS": ""})
+    assert proc.returncode != 0
+    assert "not a Hugging Face model directory (no config.json)" in proc.stdout + proc.stderr
+    assert time.monotonic() - started < 60
