@@ -1,15 +1,19 @@
 """Where each actor role runs: placement groups built from the config's resource layout."""
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 import ray
+from ray.autoscaler.sdk import request_resources
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from learners.config import ActorResources, ClusterConfig
 
 ROLES = ("learner", "rollout", "reward")
+log = logging.getLogger("medray.placement")
 
 
 class PlacementError(RuntimeError):
@@ -50,18 +54,65 @@ def check_fits(cfg: ClusterConfig, available: dict, roles: tuple[str, ...] = ROL
                                  f"{available.get(key, 0):g}; lower the {field} or the actor counts named")
 
 
-def place(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES, timeout_s: float = 120.0,
-          others: dict[str, dict[str, float]] | None = None) -> Placement:
-    """Reserve every role's bundles up front, so a run never starts half-placed; `others` as in `check_fits`."""
-    check_fits(cfg, ray.cluster_resources(), roles, others)
-    groups, resources = {}, {}
+def bundles(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES) -> dict[str, list[dict]]:
+    """Each role's bundles: one {CPU, GPU} per actor."""
+    out = {}
     for role in roles:
         res: ActorResources = getattr(cfg, role)
-        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}
-        groups[role] = placement_group([bundle] * res.num, strategy=cfg.placement_strategy, name=f"medray-{role}")
-        resources[role] = res
-    ready, _ = ray.wait([g.ready() for g in groups.values()], num_returns=len(groups), timeout=timeout_s)
-    if len(ready) < len(groups):
-        raise PlacementError(f"placement groups not ready after {timeout_s:.0f}s; cluster resources: "
-                             f"{ray.available_resources()}")
-    return Placement(groups, resources)
+        out[role] = [{"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}] * res.num
+    return out
+
+
+def place(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES, timeout_s: float | None = None,
+          others: dict[str, dict[str, float]] | None = None, progress_every_s: float = 30.0) -> Placement:
+    """Reserve every role's bundles up front, so a run never starts half-placed; `others` as in `check_fits`.
+
+    On a fixed cluster a layout larger than the cluster is refused at once (`check_fits`). With `cluster.autoscale`
+    the whole demand goes to the autoscaler (`request_resources`) and the placement groups wait for the nodes it
+    starts, saying every `progress_every_s` which roles are still waiting. Either way, groups not ready after
+    `timeout_s` (default `cluster.placement_timeout_s`) are removed and PlacementError names the roles left."""
+    timeout_s = cfg.placement_timeout_s if timeout_s is None else timeout_s
+    wanted = bundles(cfg, roles)
+    if cfg.autoscale:
+        tools = [{"CPU": d.get("CPU", 0.0), **({"GPU": d["GPU"]} if d.get("GPU") else {})}
+                 for d in (others or {}).values() for _ in range(int(d["num"]))]
+        request_resources(bundles=[b for role in roles for b in wanted[role]] + tools)
+    else:
+        check_fits(cfg, ray.cluster_resources(), roles, others)
+    groups = {role: placement_group(wanted[role], strategy=cfg.placement_strategy, name=f"medray-{role}")
+              for role in roles}
+    try:
+        wait_for(cfg, groups, timeout_s, progress_every_s)
+    finally:
+        if cfg.autoscale:  # the placement groups now hold (or no longer want) the nodes: drop the standing request
+            request_resources(bundles=[])
+    return Placement(groups, {role: getattr(cfg, role) for role in roles})
+
+
+def wait_for(cfg: ClusterConfig, groups: dict[str, PlacementGroup], timeout_s: float, progress_every_s: float) -> None:
+    """Until every group is ready, saying which roles still wait; past `timeout_s` all groups are removed and
+    PlacementError names the roles left."""
+    waiting, started = {group.ready(): role for role, group in groups.items()}, time.monotonic()
+    while waiting:
+        left = timeout_s - (time.monotonic() - started)
+        if left <= 0:
+            for group in groups.values():
+                ray.util.remove_placement_group(group)
+            raise PlacementError(f"placement not ready after {timeout_s:.0f}s, still waiting for "
+                                 f"{describe(cfg, waiting.values())}; cluster resources now: "
+                                 f"{ray.available_resources()}")
+        ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=min(progress_every_s, left))
+        for ref in ready:
+            del waiting[ref]
+        if waiting:
+            log.info("waiting for %s (%.0f s of %.0f s)", describe(cfg, waiting.values()),
+                     time.monotonic() - started, timeout_s)
+
+
+def describe(cfg: ClusterConfig, roles) -> str:
+    """'cluster.rollout: 8 x {CPU: 4, GPU: 1}, ...' for the roles named."""
+    parts = []
+    for role in roles:
+        shape = ", ".join(f"{key}: {value:g}" for key, value in bundles(cfg, (role,))[role][0].items())
+        parts.append(f"cluster.{role}: {getattr(cfg, role).num} x {{{shape}}}")
+    return ", ".join(parts)

@@ -36,6 +36,11 @@ class ClusterConfig(Strict):
     num_cpus: int | None = Field(None, description="CPUs a locally started Ray offers (default: all)")
     include_dashboard: bool = False
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
+    autoscale: bool = Field(False, description="the cluster adds nodes on demand (ray up with an autoscaler): ask for "
+                                                "the run's bundles and wait for them instead of refusing a layout "
+                                                "larger than the nodes up now")
+    placement_timeout_s: float = Field(1200.0, gt=0, description="how long to wait for every role's bundles (a GPU "
+                                                                  "node's boot and set-up included)")
     rollout: ActorResources = ActorResources(threads=2)
     learner: ActorResources = ActorResources(num=2, num_cpus=0.25)
     reward: ActorResources = ActorResources(num_cpus=0.25)

@@ -116,10 +116,17 @@ async def read_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
+def last_user_text(req: ChatRequest) -> str:
+    """The text of the request's last user message (its text parts, for a multi-part message)."""
+    content = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
+    return content if isinstance(content, str) else "\n".join(p.text or "" for p in content if p.type == "text")
+
+
 def sse(event: dict | str) -> str:
     return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
 
 
+# Everything ChatServer's methods call is defined above it: Serve pickles the class by value when it is decorated.
 @serve.deployment(name="ChatServer", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
                   health_check_period_s=10, health_check_timeout_s=60)
 @serve.ingress(api)
@@ -366,12 +373,6 @@ class ChatServer:
         if req.stream_options and req.stream_options.include_usage:
             events.append(usage_chunk(cid, req.model, token_usage))
         return StreamingResponse(iter([sse(e) for e in events] + [sse("[DONE]")]), media_type="text/event-stream")
-
-
-def last_user_text(req: ChatRequest) -> str:
-    """The text of the request's last user message (its text parts, for a multi-part message)."""
-    content = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
-    return content if isinstance(content, str) else "\n".join(p.text or "" for p in content if p.type == "text")
 
 
 def app(args: dict) -> serve.Application:

@@ -10,7 +10,7 @@ from learners.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["total_steps=2", "stages.0.steps=1", "stages.0.sft.batch_size=4", "stages.1.steps=1",
+SHORT = ["total_steps=7", "stages.0.steps=6", "stages.0.sft.batch_size=8", "learner.lr=1e-4", "stages.1.steps=1",
          "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.fidelity_check_every=1", "eval.limit=6",
          "eval.every=0", "checkpoint.every=1", "logging.progress_bar=false"]
 
@@ -25,20 +25,20 @@ def short_quickstart(ray_session, real_model_path, tmp_path_factory):
 
 def test_the_quickstart_trains_the_real_model_and_reports_base_against_trained(short_quickstart):
     out, report, metrics = short_quickstart
-    assert "| hpo:mcq_test | base (step 0) |" in report and "| hpo:mcq_test | after grpo (step 2) |" in report
+    assert "| hpo:mcq_test | base (step 0) |" in report and "| hpo:mcq_test | after grpo (step 7) |" in report
     assert (out / "eval.md").read_text() == report
     steps = json.loads((out / "eval.json").read_text())["splits"]["hpo:mcq_test"]
-    assert sorted(steps) == ["0", "2"] and all(s["n"] == 6 for s in steps.values())
+    assert sorted(steps) == ["0", "7"] and all(s["n"] == 6 for s in steps.values())
     assert steps["0"]["format_rate"]["mean"] == 0.0, "the base model does not know the answer grammar"
-    for step in (0, 2):
+    for step in (0, 7):
         samples = (out / "eval" / f"step_{step}" / "hpo_mcq_test" / "samples.jsonl").read_text().splitlines()
         assert len(samples) == 6
     by_step = {m["step"]: m for m in metrics}
     assert by_step[0]["eval/hpo:mcq_test/format_rate"] == 0.0
     assert by_step[1]["stage_name"] == "cold_start" and by_step[1]["sft_loss"] > 0
-    assert by_step[2]["stage_name"] == "grpo" and "reward_mean" in by_step[2]
-    assert by_step[2]["fidelity_max_abs_diff"] < 1e-3, "the rollout engine holds the learner's weights after a sync"
-    assert "eval/hpo:mcq_test/accuracy" in by_step[2]
+    assert by_step[7]["stage_name"] == "grpo" and "reward_mean" in by_step[7]
+    assert by_step[7]["fidelity_max_abs_diff"] < 1e-3, "the rollout engine holds the learner's weights after a sync"
+    assert "eval/hpo:mcq_test/accuracy" in by_step[7]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -61,3 +61,52 @@ def test_the_checkpoint_is_a_hugging_face_model_with_the_chat_template(short_qui
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
                                          tokenize=False)
     assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_the_served_checkpoint_answers_as_an_agent_with_its_retrieval_trace(short_quickstart, monkeypatch):
+    """The user's command, `serve run serve.app:app checkpoint=<run>/checkpoints/latest`, with nothing else: agent
+    mode, the index and titles with option links come from the run. A held-out case through the stock openai client,
+    its first turn the expert's (so that what is searched does not hang on a briefly trained policy), gets an answer
+    in the grammar and its retrieval trace, the hits shown as in training."""
+    import socket
+    import time
+
+    import httpx
+    from openai import OpenAI
+    from ray import serve
+
+    from learners.data import load_tasks
+    from serve.app import app
+    from tasks.expert import expert_query
+
+    out, _, _ = short_quickstart
+    key = "test-key-0123456789"
+    monkeypatch.setenv("MEDRAY_API_KEY", key)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(app({"checkpoint": str(out / "checkpoints" / "latest")}), name="quickstart", route_prefix="/",
+                  blocking=False)
+        deadline = time.monotonic() + 300
+        while httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, "the app did not become ready"
+            time.sleep(2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list()] == ["medray", "medray-agent"]
+        task = load_tasks("hpo:mcq_test")[0]
+        opening = f"<think>What is known about these findings? Look it up.</think>\n<query>{expert_query(task)}"
+        reply = client.chat.completions.create(
+            model="medray-agent", max_tokens=256, temperature=0,
+            messages=[*task["messages"], {"role": "assistant", "content": opening}],
+            extra_body={"continue_final_message": True, "agent": {"trace": True}})
+    finally:
+        serve.shutdown()
+    trace = reply.model_extra["trace"]
+    assert trace["turns"][0]["query"] == expert_query(task) and trace["turns"][0]["error"] is None
+    observation = trace["transcript"].split("<retrieve>")[1].split("</retrieve>")[0]
+    assert observation.strip().startswith("[1] ") and ": " not in observation, "titles only, as in training"
+    assert f"{task['options'][task['answer']]} (option {task['answer']})" in observation, \
+        "the gold disease, retrieved, is linked to its option"
+    assert trace["finish"] == "answer" and reply.choices[0].message.content.strip() in task["options"]

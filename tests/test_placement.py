@@ -1,0 +1,32 @@
+"""Placement on a cluster that can scale: the run's bundles are asked for and waited on, with progress, instead of
+being refused for the nodes that happen to be up; a layout that never fits times out naming what it waited for and
+leaves nothing reserved."""
+import logging
+
+import pytest
+
+from cluster.placement import PlacementError, check_fits, place
+from learners.config import ClusterConfig
+
+TOO_BIG = {"rollout": {"num": 1, "num_cpus": 64}, "learner": {"num": 1, "num_cpus": 0.25},
+           "reward": {"num": 1, "num_cpus": 0.25}}
+
+
+def test_a_fixed_cluster_refuses_a_layout_larger_than_it_at_once():
+    with pytest.raises(PlacementError, match=r"cluster.rollout: 1 x 64"):
+        check_fits(ClusterConfig.model_validate(TOO_BIG), {"CPU": 2})
+
+
+def test_an_autoscaling_cluster_waits_for_the_bundles_and_says_for_which_roles(ray_session, caplog):
+    import ray
+
+    cfg = ClusterConfig.model_validate({**TOO_BIG, "autoscale": True, "placement_timeout_s": 4})
+    with caplog.at_level(logging.INFO, "medray.placement"):
+        with pytest.raises(PlacementError, match=r"after 4s, still waiting for cluster.rollout: 1 x \{CPU: 64\}"):
+            place(cfg, progress_every_s=1)
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
+    assert len(waits) >= 2 and all("cluster.rollout: 1 x {CPU: 64}" in w for w in waits)
+    assert not any("cluster.learner" in w for w in waits[1:]), "roles already placed are not reported as waiting"
+    left = [g for g in ray.util.placement_group_table().values()
+            if g["name"].startswith("medray-") and g["state"] != "REMOVED"]
+    assert left == [], "a timed-out placement releases every group it asked for"
