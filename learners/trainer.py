@@ -87,9 +87,10 @@ class Trainer:
         self.judge_counts: dict = {}
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
         if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
-            # stateful rewards (ARMed's adaptive thresholds) continue where they were
+            # stateful rewards (ARMed's adaptive thresholds) continue where they were, in their owner
             states = ckpt.read_state(resume_from).get("reward_states", [])
-            ray.get([r.load_state_dict.remote(s) for r, s in zip(self.rewarders, states)])
+            if states:
+                ray.get(self.rewarders[0].load_state_dict.remote(states[0]))
         ray.get([w.ready.remote() for w in self.workers])
         self.count_service_restarts()  # the process ids a restart will change
         self.version = self.step  # the learner's weight version: one per optimizer step taken
@@ -136,6 +137,8 @@ class Trainer:
                 [s.model_dump() for s in cfg.rewards.components], cfg.rewards.timeout_s, cfg.rewards.on_error,
                 self.cfg.cluster.reward.threads) for i in range(self.cfg.cluster.reward.num)]
             ray.get([r.__ray_ready__.remote() for r in self.rewarders])
+            # RewardActor-0 owns the state of stateful rewards (ARMed's Adapt): it calibrates the whole batch once
+            self.stateful_rewards = ray.get(self.rewarders[0].stateful.remote())
 
     def generated_demonstrations(self, cfg: RunConfig) -> list[dict]:
         """An SFT stage's generated data, made once and kept under output_dir/stages/<stage>/ so a run resumed inside
@@ -217,7 +220,7 @@ class Trainer:
     def score(self, rollouts: StepRollouts) -> list[dict]:
         """Each worker's trajectories go straight from its object to a reward actor. A reward actor that dies is
         restarted by Ray and the call retried there (RewardActor's max_task_retries); a changed process id tells
-        the metrics it happened."""
+        the metrics it happened. With stateful rewards the owner then calibrates the whole batch once."""
         scores = ray.get([self.rewarders[i % len(self.rewarders)].score.remote(ref)
                           for i, ref in enumerate(rollouts.trajectories)])
         for i, s in enumerate(scores):
@@ -225,7 +228,7 @@ class Trainer:
             if self.reward_pids.setdefault(actor, s["pid"]) != s["pid"]:
                 self.restarts["reward"] += 1
                 self.reward_pids[actor] = s["pid"]
-        return scores
+        return ray.get(self.rewarders[0].calibrate.remote(scores)) if self.stateful_rewards else scores
 
     def service_actors(self) -> dict[str, list]:
         """The service actors by metrics role: the environment's (retrievers, or the Gym's tool actors) and the judge."""
@@ -368,7 +371,7 @@ class Trainer:
         self.tokenizer.save_pretrained(tmp)
         # The stage's resolved config travels with the weights: serving takes the grammar and retrieval from it.
         (tmp / ckpt.RUN_CONFIG).write_text(yaml.safe_dump(self.stage_cfg.dump(), sort_keys=False))
-        reward_states = ray.get([r.state_dict.remote() for r in self.rewarders])
+        reward_states = [ray.get(self.rewarders[0].state_dict.remote())]  # the owner's (see enter_stage)
         ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
                                                      "stage": self.stage_index, "reward_states": reward_states},
                     self.cfg.checkpoint.keep_last)

@@ -92,17 +92,41 @@ class ArmedSemantic:
         self.encoder = load_encoder(cos_sim_model_dir, batch_size)
         self.streams = {"bertscore": Adapt(**(adapt or {})), "cos_sim": Adapt(**(adapt or {}))} if adaptive else {}
 
+    @property
+    def stateful(self) -> bool:
+        """Adaptive: the final scores need `calibrate` on the whole step's batch, run by the run's one owner."""
+        return bool(self.streams)
+
     def __call__(self, trajectories: list[Trajectory]) -> dict[str, list[float]]:
+        """Static: the final Rs. Adaptive: Rs as a placeholder and the raw metrics (`metric/armed_bertscore`,
+        `metric/armed_cos_sim`; NaN without an answer) that `calibrate` turns into Ras."""
         answered = [i for i, t in enumerate(trajectories) if extract_answer(t.text)]
         batch = [trajectories[i] for i in answered]
-        metrics = {"bertscore": score_against_gold(batch, self.bertscore.f1),
-                   "cos_sim": score_against_gold(batch, self.encoder.cosine)}
+        raw = {"bertscore": score_against_gold(batch, self.bertscore.f1),
+               "cos_sim": score_against_gold(batch, self.encoder.cosine)}
+        out = {"armed_semantic": self.combine(answered, raw["bertscore"], raw["cos_sim"], len(trajectories))}
         if self.streams:
-            metrics = {name: self.streams[name](values) for name, values in metrics.items()}
-        scores = [0.0] * len(trajectories)
-        for i, bert, cos in zip(answered, metrics["bertscore"], metrics["cos_sim"]):
-            scores[i] = self.l2 * bert + (1 - self.l2) * cos
-        return {"armed_semantic": scores}
+            for name, values in raw.items():
+                column = [math.nan] * len(trajectories)
+                for i, value in zip(answered, values):
+                    column[i] = value
+                out[f"metric/armed_{name}"] = column
+        return out
+
+    def calibrate(self, components: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Adapt() once on a whole step's raw metrics (eq. 9): every stream updates its threshold from all of them."""
+        bert, cos = components["metric/armed_bertscore"], components["metric/armed_cos_sim"]
+        answered = [i for i, value in enumerate(bert) if not math.isnan(value)]
+        scores = self.combine(answered, self.streams["bertscore"]([bert[i] for i in answered]),
+                              self.streams["cos_sim"]([cos[i] for i in answered]), len(bert))
+        return {**components, "armed_semantic": scores}
+
+    def combine(self, answered: list[int], bert: list[float], cos: list[float], n: int) -> list[float]:
+        """l2 * BERTScore + (1 - l2) * CosSim on the answered samples, 0 elsewhere."""
+        scores = [0.0] * n
+        for i, b, c in zip(answered, bert, cos):
+            scores[i] = self.l2 * b + (1 - self.l2) * c
+        return scores
 
     def state_dict(self) -> dict:
         return {name: stream.state_dict() for name, stream in self.streams.items()}

@@ -3,8 +3,13 @@
     reward(trajectories: list[Trajectory], **args) -> dict[str, list[float]]
 
 It returns one or more named components, one score per trajectory. Names starting with `metric/` are diagnostics:
-logged each step (mean over the samples that have one; NaN marks a sample without), never added to the reward. A class is instantiated once per reward
-actor with the config's `args` (so models stay resident) and then called with the batch.
+logged each step (mean over the samples that have one; NaN marks a sample without), never added to the reward. A class is
+instantiated once per reward actor with the config's `args` (so models stay resident) and then called with the batch.
+
+A reward with state across steps (ARMed's Adapt thresholds) says so with `stateful = True` and adds
+`calibrate(components) -> components` and `state_dict()` / `load_state_dict()`: every reward actor computes the raw
+components of its share, and once per step one owner (RewardActor-0) calibrates the whole batch's, so the state is
+updated once, from every sample, whatever the number of reward actors.
 """
 from __future__ import annotations
 
@@ -44,6 +49,11 @@ def needs_answer_logprobs(names: list[str]) -> bool:
     for module in BUILTIN_MODULES:
         importlib.import_module(module)
     return any(getattr(REWARDS.get(name), "needs_answer_logprobs", False) for name in names)
+
+
+def is_stateful(reward) -> bool:
+    """Whether a built reward keeps state across steps and needs `calibrate` on the whole batch."""
+    return bool(getattr(reward, "stateful", False))
 
 
 def is_diagnostic(component: str) -> bool:

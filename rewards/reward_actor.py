@@ -10,7 +10,7 @@ import ray
 
 from actors.trajectory import Trajectory
 from rewards.nci import group_nci
-from rewards.registry import is_diagnostic, make_reward
+from rewards.registry import is_diagnostic, is_stateful, make_reward
 
 log = logging.getLogger("medray.rewards")
 
@@ -62,19 +62,46 @@ class RewardActor:
                 errors[spec["name"]] = errors.get(spec["name"], 0) + 1
                 comps = {spec["name"]: [0.0] * n}
             by_spec.append(comps)
+        groups = [t.group for t in trajectories]
+        return {**self.summarize(by_spec, groups), "by_spec": by_spec, "groups": groups, "errors": errors,
+                "seconds": time.perf_counter() - start, "pid": os.getpid()}
+
+    def summarize(self, by_spec: list[dict[str, list[float]]], groups: list[int]) -> dict:
+        """The total reward per sample, the components by name and their NCI per group."""
         components = {k: v for comps in by_spec for k, v in comps.items()}
         weights = [s.get("weight", 1.0) for s in self.specs]
-        total = combine(by_spec, weights, n)
         rewarding = {k: v for k, v in components.items() if not is_diagnostic(k)}
         nci = group_nci(rewarding, {k: w for comps, w in zip(by_spec, weights) for k in comps if k in rewarding},
-                        [t.group for t in trajectories])
-        return {"total": total, "components": components, "nci": nci, "errors": errors,
-                "seconds": time.perf_counter() - start, "pid": os.getpid()}
+                        groups)
+        return {"total": combine(by_spec, weights, len(groups)), "components": components, "nci": nci}
+
+    def stateful(self) -> bool:
+        """Whether some reward needs `calibrate` on the whole batch each step."""
+        return any(is_stateful(fn) for fn in self.rewards)
+
+    def calibrate(self, scores: list[dict]) -> list[dict]:
+        """The owner's part of a step: each stateful reward calibrates the raw components of every share (`score`'s
+        results, in batch order) at once, updating its state once; then each share is summarized again. A share
+        whose reward failed keeps its zeros."""
+        for k, (spec, fn) in enumerate(zip(self.specs, self.rewards)):
+            if not is_stateful(fn):
+                continue
+            shares = [s for s in scores if spec["name"] not in s["errors"]]
+            if not shares:
+                continue
+            names = list(shares[0]["by_spec"][k])
+            done = fn.calibrate({name: [v for s in shares for v in s["by_spec"][k][name]] for name in names})
+            offset = 0
+            for share in shares:
+                n = len(share["groups"])
+                share["by_spec"][k] = {name: values[offset:offset + n] for name, values in done.items()}
+                offset += n
+        return [{**s, **self.summarize(s["by_spec"], s["groups"])} for s in scores]
 
     def state_dict(self) -> dict:
         """The state of every stateful reward (ARMed's Adapt streams), keyed "<position>:<name>", for checkpoints."""
         return {f"{i}:{spec['name']}": fn.state_dict() for i, (spec, fn) in enumerate(zip(self.specs, self.rewards))
-                if hasattr(fn, "state_dict")}
+                if is_stateful(fn)}
 
     def load_state_dict(self, state: dict) -> None:
         for i, (spec, fn) in enumerate(zip(self.specs, self.rewards)):

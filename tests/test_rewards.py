@@ -166,7 +166,9 @@ def test_armed_semantic_static_and_adaptive(encoder, bertscore):
     static = ArmedSemantic(l2=0.2, adaptive=False)(batch)["armed_semantic"]
     assert static == pytest.approx([0.2 * bert[0] + 0.8 * cos[0], 0.2 * bert[1] + 0.8 * cos[1], 0.0], abs=1e-6)
     adaptive = ArmedSemantic(l2=0.2, adaptive=True)
-    scores = adaptive(batch)["armed_semantic"]
+    raw = adaptive(batch)  # each reward actor's share: the raw metrics; the owner calibrates the whole batch once
+    assert raw["metric/armed_bertscore"][:2] == pytest.approx(bert) and math.isnan(raw["metric/armed_cos_sim"][2])
+    scores = adaptive.calibrate(raw)["armed_semantic"]
     expected = [0.2 * b + 0.8 * c for b, c in zip(Adapt()(bert), Adapt()(cos))]
     assert scores == pytest.approx(expected + [0.0], abs=1e-6)
     assert set(adaptive.state_dict()) == {"bertscore", "cos_sim"}
