@@ -134,6 +134,10 @@ class AlgorithmConfig(Strict):
     normalize_std: bool = Field(True, description="false is Dr.GRPO")
     kl_beta: float = Field(0.0, ge=0, description="0 runs no reference model")
     updates_per_batch: int = Field(1, ge=1, description="passes over each rollout batch")
+    dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and sample more "
+                                                      "prompts until the batch is full")
+    max_extra_rounds: int = Field(3, ge=1, description="dynamic sampling: extra generation rounds per step at most; "
+                                                       "a batch still short is filled with the dropped groups")
 
 
 class LearnerConfig(Strict):

@@ -26,6 +26,7 @@ from learners import checkpoint as ckpt
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
+from learners.dynamic_sampling import count_informative, fill_batch
 from learners.learner_group import LearnerGroup
 from learners.metrics import MetricsLogger, step_metrics
 from learners.tiny_models import policy_dir
@@ -175,17 +176,34 @@ class Trainer:
             grammar=cfg.rollout.grammar.model_dump(), environment=self.environment) for i in range(res.num)]
 
     # ---- one step, stage by stage ---------------------------------------------------------------------------
-    def start_rollouts(self, step: int) -> StepRollouts:
-        """Send step `step`'s prompts to the rollout workers, whole groups per worker."""
+    def start_rollouts(self, step: int, refill_round: int = 0) -> StepRollouts:
+        """Send step `step`'s prompts to the rollout workers, whole groups per worker; a refill round (dynamic
+        sampling) draws other prompts and seeds, still a function of (seed, step, round)."""
         r = self.stage_cfg.rollout
-        indices = self.sampler.batch(step)
+        sampler = self.sampler if not refill_round else PromptSampler(
+            len(self.tasks), r.prompts_per_step, derive_seed(self.cfg.seed, "refill", refill_round))
+        indices = sampler.batch(step)
         sampling = r.sampling()
-        step_seed = derive_seed(self.cfg.seed, step)
+        step_seed = derive_seed(self.cfg.seed, step, *([refill_round] if refill_round else []))
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
         calls = [([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed,
                   r.grammar.model_dump(), self.answer_logprobs, r.evr.model_dump()) for groups in chunks]
         refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(self.workers, calls)]
         return StepRollouts(step, self.version, [t for t, _ in refs], [s for _, s in refs], calls)
+
+    def refill(self, rollouts: StepRollouts, totals: list[float]) -> tuple[list, list[float], dict]:
+        """DAPO's dynamic sampling (learners/dynamic_sampling.py): rounds of other prompts while fewer than
+        prompts_per_step groups have rewards that differ, then the batch of those groups, as one object. The step's
+        reward metrics stay those of its first round."""
+        r, bound = self.stage_cfg.rollout, self.stage_cfg.algorithm.max_extra_rounds
+        rounds = [([t for share in ray.get(rollouts.trajectories) for t in share], totals)]
+        while count_informative(rounds, r.group_size) < r.prompts_per_step and len(rounds) <= bound:
+            extra = self.start_rollouts(rollouts.step, refill_round=len(rounds))
+            self.collect(extra)
+            scored = [x for s in self.score(extra) for x in s["total"]]
+            rounds.append(([t for share in ray.get(extra.trajectories) for t in share], scored))
+        trajectories, kept, stats = fill_batch(rounds, r.group_size, r.prompts_per_step)
+        return [ray.put(trajectories)], kept, {**stats, "extra_generation_rounds": len(rounds) - 1}
 
     def collect(self, rollouts: StepRollouts, attempts: int = 3) -> list[dict]:
         """The step's rollout summaries, once every worker's share has arrived. A share lost with its worker (killed,
@@ -303,12 +321,15 @@ class Trainer:
             next_step = rollouts.step + 1
             pending = self.start_rollouts(next_step) if overlap and next_step < end else None
 
-            totals = torch.tensor([x for s in scores for x in s["total"]])
+            batch, totals, sampled = rollouts.trajectories, [x for s in scores for x in s["total"]], {}
+            if cfg.algorithm.dynamic_sampling:
+                batch, totals, sampled = self.refill(rollouts, totals)
+            totals = torch.tensor(totals)
             if len(totals) != cfg.rollout.prompts_per_step * cfg.rollout.group_size:
                 raise RuntimeError(f"step {rollouts.step + 1}: {len(totals)} samples scored, expected "
                                    f"{cfg.rollout.prompts_per_step * cfg.rollout.group_size}")
             advantages = group_advantages(totals, cfg.rollout.group_size, cfg.algorithm.normalize_std)
-            train = self.learners.train(rollouts.trajectories, advantages.tolist(), cfg)
+            train = self.learners.train(batch, advantages.tolist(), cfg)
             self.version += 1
             sync = self.learners.sync(self.version)
             self.restarts["rollout"] += sync["sync_retries"]  # a worker lost between steps, back for the sync
@@ -317,7 +338,7 @@ class Trainer:
             if not overlap and next_step < end:
                 pending = self.start_rollouts(next_step)
             self.step = next_step
-            record = step_metrics(self.step, scores, summaries, train, sync, self.version)
+            record = {**step_metrics(self.step, scores, summaries, train, sync, self.version), **sampled}
             record.update({f"actor_restarts/{role}": n for role, n in self.restarts.items()})
             if self.judge is not None:  # the judge's own counters, per step: parse failures are never silent
                 judged = ray.get(self.judge.stats.remote())

@@ -84,6 +84,18 @@ def test_mini_batches_make_several_optimizer_steps_per_rollout_batch(ray_session
     assert any(m["grad_norm"] > 0 for m in metrics)
 
 
+def test_dynamic_sampling_refills_the_batch_with_informative_groups(ray_session, tiny_model_path, tmp_path):
+    """The tiny random model rarely earns any reward, so most groups are flat: extra rounds are generated (at most
+    max_extra_rounds) while the next step's rollouts are already in flight (one_step_off), and each step still
+    trains on a full batch."""
+    metrics = run(tmp_path, "async=one_step_off", "total_steps=2", "algorithm.dynamic_sampling=true",
+                  "algorithm.max_extra_rounds=2", "rollout.fidelity_check_every=0", "checkpoint.every=10")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert 1 <= m["extra_generation_rounds"] <= 2 and m["groups_filtered"] >= 1
+        assert 0 <= m["groups_padded"] <= 4
+
+
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport):
     """After an update, an engine that did not take the new weights disagrees with the learner; after the sync

@@ -1,0 +1,36 @@
+"""DAPO's dynamic sampling (Yu et al. 2025, sec. 3.2): a group whose G rewards are all equal has zero advantage and
+teaches nothing, so it is filtered out and more prompts are sampled until the batch holds `num_groups` informative
+groups, for at most a bounded number of extra generation rounds.
+
+Each round is (trajectories, totals) in group order: G consecutive samples per prompt.
+"""
+from __future__ import annotations
+
+
+def informative(totals: list[float], group_size: int, eps: float = 1e-9) -> list[int]:
+    """The groups whose rewards are not all equal: max - min > eps."""
+    groups = [totals[g * group_size:(g + 1) * group_size] for g in range(len(totals) // group_size)]
+    return [g for g, rewards in enumerate(groups) if max(rewards) - min(rewards) > eps]
+
+
+def count_informative(rounds: list[tuple[list, list[float]]], group_size: int) -> int:
+    return sum(len(informative(totals, group_size)) for _, totals in rounds)
+
+
+def fill_batch(rounds: list[tuple[list, list[float]]], group_size: int,
+               num_groups: int) -> tuple[list, list[float], dict]:
+    """The batch of `num_groups` groups: informative groups round by round; if the rounds ran out first, the first
+    round's uninformative groups fill the rest (they keep the batch its size and contribute A = 0).
+    Returns (trajectories, totals, {"groups_filtered": uninformative groups generated, "groups_padded": of them
+    kept to fill the batch})."""
+    keep = [(r, g) for r, (_, totals) in enumerate(rounds) for g in informative(totals, group_size)][:num_groups]
+    uninformative = sorted(set(range(num_groups)) - set(informative(rounds[0][1], group_size)))
+    padding = [(0, g) for g in uninformative][:num_groups - len(keep)]
+    generated = sum(len(totals) // group_size for _, totals in rounds)
+    trajs, totals = [], []
+    for r, g in keep + padding:
+        span = slice(g * group_size, (g + 1) * group_size)
+        trajs += rounds[r][0][span]
+        totals += rounds[r][1][span]
+    stats = {"groups_filtered": generated - count_informative(rounds, group_size), "groups_padded": len(padding)}
+    return trajs, totals, stats
