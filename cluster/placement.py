@@ -29,7 +29,7 @@ class Placement:
     def options(self, role: str, index: int, name: str) -> dict:
         """Ray actor options that put actor `index` of `role` on its bundle, named for the dashboard."""
         res = self.resources[role]
-        return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "name": name,
+        return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources), "name": name,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.groups[role], placement_group_bundle_index=index)}
 
@@ -43,9 +43,10 @@ def check_fits(cfg: ClusterConfig, available: dict, roles: tuple[str, ...] = ROL
     """Fail early, naming the fields, when the layout asks for more than the cluster has. `others`: actors outside
     the placement groups (tool actors), {config field: {"num": actors, "CPU": each, "GPU": each}}, counted against
     the same totals."""
-    for key in ("CPU", "GPU"):
-        field = f"num_{key.lower()}s"
-        need = {f"cluster.{r}": (getattr(cfg, r).num, getattr(getattr(cfg, r), field)) for r in roles}
+    custom = sorted({key for role in roles for key in getattr(cfg, role).resources})
+    for key in ("CPU", "GPU", *custom):
+        field = f"num_{key.lower()}s" if key in ("CPU", "GPU") else f"resources.{key}"
+        need = {f"cluster.{r}": (getattr(cfg, r).num, amount(getattr(cfg, r), key)) for r in roles}
         need.update({name: (demand["num"], demand.get(key, 0.0)) for name, demand in (others or {}).items()})
         total = sum(n * each for n, each in need.values())
         if total > available.get(key, 0) + 1e-9:
@@ -54,12 +55,17 @@ def check_fits(cfg: ClusterConfig, available: dict, roles: tuple[str, ...] = ROL
                                  f"{available.get(key, 0):g}; lower the {field} or the actor counts named")
 
 
+def amount(res: ActorResources, key: str) -> float:
+    """What one actor of a role takes of resource `key` (CPU, GPU or a custom one)."""
+    return {"CPU": res.num_cpus, "GPU": res.num_gpus}.get(key, res.resources.get(key, 0.0))
+
+
 def bundles(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES) -> dict[str, list[dict]]:
     """Each role's bundles: one {CPU, GPU} per actor."""
     out = {}
     for role in roles:
         res: ActorResources = getattr(cfg, role)
-        out[role] = [{"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {})}] * res.num
+        out[role] = [{"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}] * res.num
     return out
 
 

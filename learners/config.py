@@ -28,6 +28,9 @@ class ActorResources(Strict):
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
     threads: int = Field(1, ge=1, description="torch/OpenMP threads inside each actor")
+    resources: dict[str, float] = Field(default_factory=dict,
+                                        description="custom Ray resources each actor takes, e.g. {node_rollout: 1} "
+                                                    "to put the role on the nodes that offer them")
 
 
 class ClusterConfig(Strict):
