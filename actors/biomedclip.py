@@ -109,7 +109,7 @@ def ensure_tiny_biomedclip() -> Path:
     from safetensors.torch import save_file
     from transformers import BertConfig
 
-    from learners.tiny_models import tokenizer_corpus
+    from tasks.tiny_models import tokenizer_corpus
 
     out = cache_dir() / "models" / tiny_build_key()
     if (out / "open_clip_config.json").exists():
@@ -258,7 +258,7 @@ def clip_loss(image_features, text_features, logit_scale):
 
 def training_pairs(data: str = CONTRASTIVE_DATA) -> tuple[list[str], list[str]]:
     """Image paths and captions of the imaging world's training images, captioned as its CDIR corpus is."""
-    from learners.data import load_tasks
+    from tasks.catalog import load_tasks
     from tasks.imaging import case_caption
     tasks = load_tasks(data)
     return ([t["images"][0] for t in tasks],
@@ -267,7 +267,7 @@ def training_pairs(data: str = CONTRASTIVE_DATA) -> tuple[list[str], list[str]]:
 
 def corpus_pairs() -> tuple[list[str], list[str]]:
     """Image paths and captions of the CDIR corpus: held out from contrastive training."""
-    from actors.image_index import default_corpus, read_image_corpus
+    from tasks.image_corpus import default_corpus, read_image_corpus
     rows = read_image_corpus(default_corpus())
     return [r["image_path"] for r in rows], [r["caption"] for r in rows]
 

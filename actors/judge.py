@@ -150,8 +150,8 @@ class JudgeActor:
 
         path = self.cfg.model_path
         if path is None:
-            from learners.config import TinyModelConfig
-            from learners.tiny_models import ensure_tiny_model
+            from tasks.tiny_models import TinyModelConfig
+            from tasks.tiny_models import ensure_tiny_model
             path = str(ensure_tiny_model(TinyModelConfig()))
         # The rollout worker's CPU settings: fixed KV cache, uni-process executor, eager, no chunked prefill.
         memory = {"kv_cache_memory_bytes": int(self.cfg.kv_cache_gb * 2**30)} if accelerator() == "cpu" else \

@@ -23,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from actors.biomedclip import load_biomedclip  # noqa: E402
-from actors.image_index import default_corpus, load_images, read_image_corpus  # noqa: E402
+from actors.image_index import load_images  # noqa: E402
+from tasks.image_corpus import default_corpus, read_image_corpus  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 
 

@@ -57,9 +57,10 @@ def main() -> None:
     from actors.retriever import Retriever
     from actors.build_index import default_index_dir
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig, TinyModelConfig
+    from cluster.config import ClusterConfig
+    from tasks.tiny_models import TinyModelConfig
     from learners.data import load_tasks
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
 
     start_or_join(ClusterConfig(num_cpus=2))
     rows = []

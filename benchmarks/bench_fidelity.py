@@ -53,10 +53,10 @@ def main() -> None:
     from benchmarks.common import MODEL_TINY, report
     from cluster.ray_session import start_or_join
     from cluster.weight_sync import WeightPublisher
-    from learners.config import ClusterConfig
+    from cluster.config import ClusterConfig
     from learners.data import load_tasks
     from learners.learner_group import load_causal_lm
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
 
     start_or_join(ClusterConfig())
     model = args.model or str(ensure_tiny_model(MODEL_TINY))

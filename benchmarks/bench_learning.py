@@ -12,7 +12,7 @@ with retrieval), once per seed; the held-out accuracy of the base model, after t
 run's own evaluations, hpo:mcq_test), with the wall-clock of the whole run including start-up.
 retrieval: the HPO diagnosis task, evaluated on held-out diseases (hpo:mcq_test: no test disease occurs in training,
 so only retrieval can answer), tiny Qwen2. Two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
-  sft_only            SFT on scripted-expert retrieval demonstrations (tasks/expert.py), S steps
+  sft_only            SFT on scripted-expert retrieval demonstrations (learners/expert.py), S steps
   sft_direct          SFT on think-then-answer demonstrations (no retrieval), S steps
   grpo_no_retrieval   sft_direct's weights + R GRPO steps, single turn (format + accuracy)
   grpo_retrieval      sft_only's weights + R GRPO steps with the retriever (format + accuracy)
@@ -60,7 +60,7 @@ def demonstrations(runs: Path, kind: str, args, data: str = "hpo:mcq_train") -> 
     """Expert demonstrations for a training split (by default the multiple-choice one): with retrieval (the
     quickstart's grammar) or direct."""
     from learners.config import load_config
-    from tasks.expert import write_demonstrations
+    from learners.expert import write_demonstrations
     split = "" if data == "hpo:mcq_train" else f"{data.split(':')[-1]}_"
     out = runs / f"demos_{kind}_{split}{args.answer_with}.jsonl"
     if not out.exists():

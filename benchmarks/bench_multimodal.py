@@ -71,9 +71,10 @@ def main() -> None:
 
     from benchmarks.common import report
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig, TinyModelConfig
+    from cluster.config import ClusterConfig
+    from tasks.tiny_models import TinyModelConfig
     from learners.data import load_tasks
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
 
     start_or_join(ClusterConfig())
     try:

@@ -115,7 +115,7 @@ def judge_row(prompts: int, group_size: int, max_tokens: int) -> dict:
     from actors.judge import JudgeActor
     from actors.trajectory import Trajectory
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig
+    from cluster.config import ClusterConfig
     from learners.data import load_tasks
     from rewards.judge import JudgeAnswer
 

@@ -56,9 +56,9 @@ def main() -> None:
 
     from benchmarks.common import MODEL_50M, MODEL_TINY, report
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig
+    from cluster.config import ClusterConfig
     from learners.data import load_tasks
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
 
     start_or_join(ClusterConfig())
     tasks = load_tasks("hpo:mcq_train")

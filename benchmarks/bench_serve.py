@@ -90,7 +90,7 @@ def start_ray_serve(model: str, index: Path, threads: int) -> str:
     from ray import serve
 
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig
+    from cluster.config import ClusterConfig
     from serve.app import app
 
     start_or_join(ClusterConfig(num_cpus=threads))
@@ -146,8 +146,8 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.common import report
-    from learners.config import TinyModelConfig
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import TinyModelConfig
+    from tasks.tiny_models import ensure_tiny_model
 
     model = str(ensure_tiny_model(TinyModelConfig()))
     close_query = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("</query>")

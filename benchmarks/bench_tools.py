@@ -83,7 +83,7 @@ def main() -> None:
     from actors.tools import ToolCall, ToolContext, tool_class
     from benchmarks.common import report
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig
+    from cluster.config import ClusterConfig
     from tasks.build_imaging import ensure_imaging_world
     from tasks.schema import read_tasks, resolve_image_paths
 

@@ -3,7 +3,7 @@
     python benchmarks/bench_trl.py --size tiny --steps 20
     python benchmarks/bench_trl.py --size 50m --steps 4
 
-Both systems train the same random-initialised model (learners/tiny_models.py) on the same HPO multiple-choice
+Both systems train the same random-initialised model (tasks/tiny_models.py) on the same HPO multiple-choice
 prompts, in the same order (shuffling off; prompt i of step s is task s * prompts + i of a fixed seeded subset), with
 the same reward (rewards.builtin tag_format on <answer> + 0.5 x valid_option, the very Python functions), group size,
 batch, completion length, temperature, lr, AdamW, grad clip 1.0, constant schedule and no KL (beta 0). Loss: DAPO
@@ -44,7 +44,7 @@ MAX_PROMPT_TOKENS = 384
 
 def tiny_config(size: str):
     from benchmarks import common
-    from learners.config import TinyModelConfig
+    from tasks.tiny_models import TinyModelConfig
     spec = SIZES[size]["model"]
     return getattr(common, spec) if isinstance(spec, str) else TinyModelConfig(**spec)
 
@@ -192,7 +192,7 @@ def main() -> None:
     import ray
 
     from benchmarks.common import report
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
 
     spec, systems = SIZES[args.size], args.systems.split(",")
     batch = spec["prompts"] * spec["group"]

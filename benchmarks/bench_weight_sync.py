@@ -66,8 +66,8 @@ def main() -> None:
     from actors.rollout_worker import RolloutWorker
     from benchmarks.common import MODEL_50M, MODEL_TINY, report
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig
-    from learners.tiny_models import ensure_tiny_model
+    from cluster.config import ClusterConfig
+    from tasks.tiny_models import ensure_tiny_model
 
     start_or_join(ClusterConfig())
     rows = []

@@ -6,7 +6,7 @@ import platform
 import time
 from pathlib import Path
 
-from learners.config import TinyModelConfig
+from tasks.tiny_models import TinyModelConfig
 
 # ~50M parameters: the size at which the throughput targets are set.
 MODEL_50M = TinyModelConfig(hidden_size=640, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=10,

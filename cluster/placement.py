@@ -10,7 +10,7 @@ from ray.autoscaler.sdk import request_resources
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from learners.config import ActorResources, ClusterConfig
+from cluster.config import ActorResources, ClusterConfig
 
 ROLES = ("learner", "rollout", "reward")
 log = logging.getLogger("medray.placement")

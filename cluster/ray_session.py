@@ -6,7 +6,7 @@ import os
 
 import ray
 
-from learners.config import ClusterConfig
+from cluster.config import ClusterConfig
 
 log = logging.getLogger("medray.cluster")
 

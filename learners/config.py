@@ -17,80 +17,12 @@ from actors.gym import ToolsConfig
 from actors.judge import JudgeConfig
 from actors.retrieval_index import IndexConfig
 from actors.retriever import RetrievalConfig
+from cluster.config import ActorResources, ClusterConfig  # noqa: F401  (ActorResources: part of the config's API)
+from tasks.tiny_models import ModelConfig, TinyModelConfig  # noqa: F401
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ActorResources(Strict):
-    num: int = Field(1, ge=1, description="how many actors of this role")
-    num_cpus: float = Field(1.0, gt=0)
-    num_gpus: float = Field(0.0, ge=0)
-    threads: int = Field(1, ge=1, description="torch/OpenMP threads inside each actor")
-    resources: dict[str, float] = Field(default_factory=dict,
-                                        description="custom Ray resources each actor takes, e.g. {node_rollout: 1} "
-                                                    "to put the role on the nodes that offer them")
-
-
-class ClusterConfig(Strict):
-    address: str | None = Field(None, description="Ray address to join; default: RAY_ADDRESS, else start a local Ray")
-    host: str = Field("127.0.0.1", description="interface a locally started Ray binds to")
-    num_cpus: int | None = Field(None, description="CPUs a locally started Ray offers (default: all)")
-    include_dashboard: bool = False
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = "PACK"
-    autoscale: bool = Field(False, description="the cluster adds nodes on demand (ray up with an autoscaler): ask for "
-                                                "the run's bundles and wait for them instead of refusing a layout "
-                                                "larger than the nodes up now")
-    placement_timeout_s: float = Field(1200.0, gt=0, description="how long to wait for every role's bundles (a GPU "
-                                                                  "node's boot and set-up included)")
-    rollout: ActorResources = ActorResources(threads=2)
-    learner: ActorResources = ActorResources(num=2, num_cpus=0.25)
-    reward: ActorResources = ActorResources(num_cpus=0.25)
-    retriever: ActorResources = Field(ActorResources(num_cpus=0.25),
-                                      description="one Retriever actor per index shard (num = retrieval.shards)")
-    judge: ActorResources = Field(ActorResources(num_cpus=0.25), description="the JudgeActor (judge section); num 1")
-    weight_sync: Literal["auto", "object_store", "collective"] = Field(
-        "auto", description="learner -> rollout transport; auto: collective (NCCL) with GPUs, else the object store")
-    sync_bucket_mb: float = Field(256.0, gt=0, description="object-store bucket size: bounds peak extra memory")
-
-
-class TinyModelConfig(Strict):
-    """A small random-initialised model of a real architecture, built offline by medray."""
-    arch: Literal["qwen2", "qwen2_5_vl"] = "qwen2"
-    vocab_size: int = Field(1024, ge=300, description="BPE merges target, before special tokens")
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
-    seed: int = 0
-    term_tokens: bool = Field(False, description="every HPO term that annotates a disease becomes one token, so a "
-                                                 "tiny model copies a phenotype as one token, not a run of BPE pieces")
-    tie_embeddings: bool = Field(False, description="the LM head shares the input embeddings, as in Qwen2.5 "
-                                                    "0.5B-3B; tied embeddings let a model copy a token it attends to")
-    copy_pretrain_steps: int = Field(0, ge=0, description="steps of synthetic in-context copying before the model is "
-                                                         "saved (a pretrained LM's induction, which SFT alone did not "
-                                                         "teach a tiny model); 0 keeps random weights")
-
-    @model_validator(mode="after")
-    def _head_dim(self):
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads")
-        if self.hidden_size // self.num_attention_heads < 32:
-            raise ValueError("head_dim = hidden_size / num_attention_heads must be >= 32 (vLLM's CPU attention)")
-        return self
-
-
-class ModelConfig(Strict):
-    path: str | None = Field(None, description="local Hugging Face model directory, or an alias of a real model "
-                                               "built offline (tasks/model_aliases.py: smollm2-135m-instruct); "
-                                               "null builds the tiny random model")
-    size_hint_b: float | None = Field(None, gt=0, description="parameters (billions) for --dry-run's memory estimate "
-                                                               "where model.path is not readable")
-    tiny: TinyModelConfig = TinyModelConfig()
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 class DataConfig(Strict):
@@ -201,7 +133,7 @@ class SFTConfig(Strict):
     """Supervised fine-tuning data of an `sft` stage: cross-entropy on the policy's tokens, with the same masks as RL
     (retrieved text and tool observations are never targets)."""
     data: str = Field(..., description="JSONL of demonstrations {task, segments: [{role: policy|environment, text}]}"
-                                       " (python -m tasks.expert writes them); 'expert': the scripted expert's "
+                                       " (python -m learners.expert writes them); 'expert': the scripted expert's "
                                        "demonstrations on data.train, written on first use under output_dir/stages/; "
                                        "or 'self': the policy's own rollouts on representative questions of "
                                        "data.train (ARMed's knowledge injection)")

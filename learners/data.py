@@ -5,44 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-def _builtin_worlds() -> dict:
-    """The medical worlds medray builds itself, by prefix: each returns {split name: path}, building once."""
-    from tasks.build_hpo import ensure_hpo_world
-    from tasks.build_imaging import ensure_imaging_world
-    from tasks.hpo import cache_dir
-    return {"hpo": lambda: ensure_hpo_world(cache_dir() / "hpo_world", seed=0),
-            "imaging": lambda: ensure_imaging_world(progress=False)}
-
-
-def resolve_tasks_path(spec: str) -> Path:
-    """A JSONL path, or `<world>:<split>` for a built-in world (hpo:mcq_train, imaging:finding_mcq_train, ...)."""
-    world, _, split = spec.partition(":")
-    worlds = _builtin_worlds() if split else {}
-    if world in worlds:
-        paths = worlds[world]()
-        if split not in paths:
-            raise ValueError(f"data.train: unknown {world} split {split!r}; choose from {sorted(paths)}")
-        return Path(paths[split])
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.train: {path} does not exist")
-    return path
-
-
-def load_tasks(spec: str) -> list[dict]:
-    """Task records as plain dicts (they travel to actors); malformed lines raise naming file and line.
-    Relative image paths are resolved against the task file's directory, and every image must exist (checked here,
-    so a wrong path fails before any actor starts, naming the file, the task and the field)."""
-    from tasks.schema import TaskFormatError, read_tasks, resolve_image_paths
-    path = resolve_tasks_path(spec)
-    tasks = [resolve_image_paths(t, path.parent) for t in read_tasks(path)]
-    if not tasks:
-        raise TaskFormatError(f"{path}: no tasks (the file has no non-blank lines)")
-    for task in tasks:
-        for i, image in enumerate(task.images):
-            if not Path(image).is_file():
-                raise TaskFormatError(f"{path}: task {task.id!r}: field 'images.{i}': image not found: {image}")
-    return [t.model_dump(mode="json") for t in tasks]
+from tasks.catalog import load_tasks, resolve_tasks_path  # noqa: F401  (the trainer's data API)
 
 
 class PromptSampler:
@@ -75,7 +38,7 @@ def read_demonstrations(path: str | Path) -> list[dict]:
     from tasks.schema import TaskFormatError, jsonl_objects
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"sft.data: {path} does not exist (python -m tasks.expert writes demonstrations)")
+        raise FileNotFoundError(f"sft.data: {path} does not exist (python -m learners.expert writes demonstrations)")
     demos = []
     for where, _, row in jsonl_objects(path):
         problem = _demonstration_problem(row)

@@ -36,7 +36,7 @@ def parameter_count(cfg: RunConfig) -> tuple[int, str]:
         raise FileNotFoundError(f"model.path {cfg.model.path} is not readable here: set model.size_hint_b (billions of "
                                 f"parameters) for the dry run's memory estimate")
     else:
-        from learners.tiny_models import ensure_tiny_model
+        from tasks.tiny_models import ensure_tiny_model
         config, source = AutoConfig.from_pretrained(ensure_tiny_model(cfg.model.tiny)), "model.tiny"
     cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
@@ -54,7 +54,7 @@ def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, referenc
 
 def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int,
                 others: dict[str, dict[str, float]] | None = None) -> list[dict]:
-    """Bundles packed onto nodes in role order, then `others` (tool actors, as `cluster.environments.tool_demand`
+    """Bundles packed onto nodes in role order, then `others` (tool actors, as `learners.services.tool_demand`
     gives them): each actor's node and GPU indices (fractions share a GPU)."""
     plan, node, gpu_cursor = [], 0, 0.0
     actors = [(role, getattr(cfg.cluster, role).num, getattr(cfg.cluster, role).num_cpus,
@@ -74,7 +74,7 @@ def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int,
 
 
 def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0) -> dict:
-    from cluster.environments import service_roles, tool_demand
+    from learners.services import service_roles, tool_demand
     from cluster.placement import ROLES
 
     roles = ROLES + service_roles(cfg)

@@ -167,7 +167,7 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
     import ray
 
     from actors.rollout_worker import RolloutWorker
-    from cluster.environments import environment_roles, start_environment, tool_demand
+    from learners.services import environment_roles, start_environment, tool_demand
     from cluster.placement import place
     from cluster.ray_session import start_or_join
     from learners.data import load_tasks

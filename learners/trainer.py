@@ -19,7 +19,7 @@ import yaml
 
 from actors.environment import ImageTokens, derive_seed
 from actors.rollout_worker import RolloutWorker
-from cluster.environments import service_roles, start_environment, start_judge, tool_demand
+from learners.services import service_roles, start_environment, start_judge, tool_demand
 from cluster.placement import ROLES, Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners import checkpoint as ckpt
@@ -29,7 +29,7 @@ from learners.data import PromptSampler, demonstration_trajectory, load_tasks, r
 from learners.dynamic_sampling import count_informative, fill_batch
 from learners.learner_group import LearnerGroup
 from learners.metrics import MetricsLogger, step_metrics
-from learners.tiny_models import policy_dir
+from tasks.tiny_models import policy_dir
 from learners.validation import Validator, closing_report, plot_curves
 from rewards.registry import needs_answer_logprobs
 from rewards.reward_actor import RewardActor
@@ -147,7 +147,7 @@ class Trainer:
         or ARMed's knowledge-injection data from the current policy ('self')."""
         path = self.out / "stages" / self.stage.name / "demonstrations.jsonl"
         if not path.exists() and self.stage.sft.data == "expert":
-            from tasks.expert import write_demonstrations
+            from learners.expert import write_demonstrations
             made = write_demonstrations(cfg, cfg.data.train, path, progress=False)
             log.info("stage %s: %d expert demonstrations from %d tasks (%d without the gold document in view)",
                      self.stage.name, made["demonstrations"], made["tasks"], made["skipped_not_retrieved"])

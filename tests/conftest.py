@@ -16,7 +16,7 @@ def ray_session(tmp_path_factory):
     """A private local Ray (never someone else's cluster), bound to loopback, shared by every test that needs one."""
     import ray
     from cluster.ray_session import start_or_join
-    from learners.config import ClusterConfig
+    from cluster.config import ClusterConfig
 
     os.environ.pop("RAY_ADDRESS", None)
     start_or_join(ClusterConfig(num_cpus=2))
@@ -26,8 +26,8 @@ def ray_session(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> Path:
-    from learners.config import TinyModelConfig
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import TinyModelConfig
+    from tasks.tiny_models import ensure_tiny_model
     return ensure_tiny_model(TinyModelConfig())
 
 

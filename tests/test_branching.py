@@ -71,9 +71,9 @@ def test_evr_forks_inside_tool_arguments_on_a_real_rollout_worker(ray_session):
 
     from actors.gym import ToolsConfig, make_tool_environment
     from actors.rollout_worker import RolloutWorker
-    from learners.config import TinyModelConfig
+    from tasks.tiny_models import TinyModelConfig
     from learners.data import load_tasks
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
 
     model = ensure_tiny_model(TinyModelConfig(arch="qwen2_5_vl"))
     env = make_tool_environment(ToolsConfig(tools={"zoom_in": {"num_cpus": 0}}))

@@ -5,7 +5,8 @@ import textwrap
 import pytest
 
 from cluster.placement import PlacementError, check_fits
-from learners.config import ClusterConfig, ConfigError, load_config
+from cluster.config import ClusterConfig
+from learners.config import ConfigError, load_config
 from learners.data import PromptSampler, load_tasks
 
 QUICKSTART = "configs/tiny.yaml"
@@ -107,7 +108,7 @@ def test_a_fresh_run_never_overwrites_an_earlier_one(tmp_path):
 
 def test_tool_actors_count_against_the_cluster_naming_the_tool():
     """Tool actors run beside the placement groups; a layout whose tools do not fit is refused up front."""
-    from cluster.environments import tool_demand
+    from learners.services import tool_demand
 
     cfg = load_config("configs/medvistagym.yaml", ["tools.tools.zoom_in.replicas=8", "tools.tools.zoom_in.num_cpus=1"])
     demand = tool_demand(cfg)

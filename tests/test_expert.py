@@ -4,7 +4,7 @@ import json
 
 from learners.config import load_config
 from learners.data import read_demonstrations
-from tasks.expert import phenotypes_of, write_demonstrations
+from learners.expert import phenotypes_of, write_demonstrations
 
 
 def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_model_path, tmp_path):

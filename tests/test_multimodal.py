@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from actors.environment import Environment, Episode, EpisodeRunner, Grammar, ImageTokens, Observation, rgb_array
-from learners.config import TinyModelConfig
+from tasks.tiny_models import TinyModelConfig
 
 VL = TinyModelConfig(arch="qwen2_5_vl")
 CROP = (0, 0, 60, 40)  # x0, y0, x1, y1 in the task image's full resolution
@@ -15,7 +15,7 @@ CROP = (0, 0, 60, 40)  # x0, y0, x1, y1 in the task image's full resolution
 
 @pytest.fixture(scope="module")
 def vl_model_path():
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
     return ensure_tiny_model(VL)
 
 

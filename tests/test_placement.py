@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from cluster.placement import PlacementError, check_fits, place
-from learners.config import ClusterConfig
+from cluster.config import ClusterConfig
 
 TOO_BIG = {"rollout": {"num": 1, "num_cpus": 64}, "learner": {"num": 1, "num_cpus": 0.25},
            "reward": {"num": 1, "num_cpus": 0.25}}

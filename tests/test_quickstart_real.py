@@ -77,7 +77,7 @@ def test_the_served_checkpoint_answers_as_an_agent_with_its_retrieval_trace(shor
 
     from learners.data import load_tasks
     from serve.app import app
-    from tasks.expert import expert_query
+    from learners.expert import expert_query
 
     out, _, _ = short_quickstart
     key = "test-key-0123456789"

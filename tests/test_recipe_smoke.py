@@ -26,7 +26,7 @@ def test_recipe_runs_every_stage(ray_session, tmp_path, recipe):
     path = f"configs/{recipe}.yaml"
     overrides = [f"output_dir={tmp_path / 'run'}", *SMALL, *stage_overrides(load_config(path))]
     if recipe == "medvistagym":  # its cold start reads scripted tool demonstrations
-        from tasks.expert import write_demonstrations
+        from learners.expert import write_demonstrations
         demos = tmp_path / "demos.jsonl"
         write_demonstrations(load_config(path), "imaging:finding_mcq_train", demos, limit=4, progress=False)
         overrides.append(f"stages.0.sft.data={demos}")

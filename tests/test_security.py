@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from learners.config import ClusterConfig, load_config
+from cluster.config import ClusterConfig
+from learners.config import load_config
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 SERVE_KEY = "serve-key-do-not-log-7f3a9c"

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from actors.environment import Episode, Grammar, RetrievalEnvironment
-from tasks.expert import cut_observation
+from learners.expert import cut_observation
 from tasks.schema import option_listing, parse_option_listing
 
 KEY = "test-key-0123456789"

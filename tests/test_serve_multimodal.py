@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from learners.config import TinyModelConfig
+from tasks.tiny_models import TinyModelConfig
 
 KEY = "test-key-vl-0123456789"
 VL = TinyModelConfig(arch="qwen2_5_vl")
@@ -21,7 +21,7 @@ MAX_MODEL_LEN, MAX_PROMPT_TOKENS = 256, 96
 
 @pytest.fixture(scope="module")
 def vl_model_path():
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
     return ensure_tiny_model(VL)
 
 

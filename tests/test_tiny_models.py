@@ -1,13 +1,13 @@
 """The tiny model's tokenizer: phenotypes as whole tokens (model.tiny.term_tokens)."""
-from learners.config import TinyModelConfig
+from tasks.tiny_models import TinyModelConfig
 from learners.data import load_tasks
-from tasks.expert import phenotypes_of
+from learners.expert import phenotypes_of
 
 
 def test_term_tokens_make_each_listed_phenotype_one_token(tiny_model_path):
     from transformers import AutoTokenizer
 
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import ensure_tiny_model
     whole = AutoTokenizer.from_pretrained(ensure_tiny_model(TinyModelConfig(term_tokens=True)))
     pieces = AutoTokenizer.from_pretrained(tiny_model_path)  # the default build
     task = load_tasks("hpo:mcq_test")[0]
@@ -24,7 +24,7 @@ def test_copy_batches_train_only_the_copy_of_a_list_seen_earlier():
     """model.tiny.copy_pretrain_steps: each row is noise, a list x, noise, <query>, x; only the second x is a label."""
     import torch
 
-    from learners.tiny_models import COPY_BATCH, COPY_LIST_TOKENS, COPY_MAX_GAP, copy_batch
+    from tasks.tiny_models import COPY_BATCH, COPY_LIST_TOKENS, COPY_MAX_GAP, copy_batch
     separator, vocab_ids = 7, torch.arange(100, 200)
     generator = torch.Generator().manual_seed(0)
     for max_prefix in (0, 150):

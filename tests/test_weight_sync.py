@@ -39,8 +39,8 @@ def test_a_tied_lm_head_scores_with_the_synced_embeddings(ray_session):
     from transformers import AutoModelForCausalLM
 
     from actors.rollout_worker import RolloutWorker
-    from learners.config import TinyModelConfig
-    from learners.tiny_models import ensure_tiny_model
+    from tasks.tiny_models import TinyModelConfig
+    from tasks.tiny_models import ensure_tiny_model
 
     path = ensure_tiny_model(TinyModelConfig(tie_embeddings=True))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)

@@ -1,8 +1,8 @@
 """Scripted-expert demonstrations for cold starts (SFT before RL): episodes written in a recipe's tag grammar, with
 the environment's turns produced by the real environment, exactly as a rollout would see them.
 
-    python -m tasks.expert --config configs/med_rwr.yaml --data hpo:mcq_train --out demos.jsonl [--limit N] [key=value ...]
-    python -m tasks.expert --config configs/medvistagym.yaml --data imaging:finding_mcq_train --out demos.jsonl
+    python -m learners.expert --config configs/med_rwr.yaml --data hpo:mcq_train --out demos.jsonl [--limit N] [key=value ...]
+    python -m learners.expert --config configs/medvistagym.yaml --data imaging:finding_mcq_train --out demos.jsonl
 
 The run config says which grammar, environment and tokenizer to follow:
 - reasoning with retrieval (a `retrieval` section; Med-RwR's <query>/<retrieve>, Med-R3's <search>/<document>): the
@@ -133,14 +133,14 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
     from transformers import AutoTokenizer
 
     from learners.data import load_tasks
-    from learners.tiny_models import policy_dir
+    from tasks.tiny_models import policy_dir
 
     grammar = cfg.rollout.grammar
     tokenizer = AutoTokenizer.from_pretrained(policy_dir(cfg.model))
     tasks = load_tasks(data)[:limit]
     index_dir = None
     if grammar.action_tag and cfg.retrieval is not None:
-        from cluster.environments import ensure_run_index
+        from learners.services import ensure_run_index
         index_dir = ensure_run_index(cfg)
     demos, skipped = [], 0
     if grammar.action_tag and cfg.tools is not None:
@@ -196,7 +196,7 @@ def tool_demonstrations(cfg, tasks: list[dict], tokenizer, index_dir: Path | Non
 def main(argv: list[str] | None = None) -> int:
     from learners.config import ConfigError, load_config
 
-    parser = argparse.ArgumentParser(prog="python -m tasks.expert", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m learners.expert", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="run config whose grammar, environment and model to follow")
     parser.add_argument("--data", required=True, help="tasks: JSONL or <world>:<split> (e.g. hpo:mcq_train)")
     parser.add_argument("--out", required=True, type=Path)

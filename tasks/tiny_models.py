@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Literal
 
-from learners.config import ModelConfig, TinyModelConfig
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
 from tasks.files import building_dir
 from tasks.hpo import cache_dir
 from tasks.imaging import INPUT_SIZE
@@ -41,6 +42,48 @@ VISION_BUILD_VERSION = 1  # the same for what only multimodal builds add (the pr
 # of patch 14 x merge 2 = 28): 112 x 112 -> 8 x 8 patches -> 16 tokens after the 2 x 2 merge. min = max, so a crop
 # is magnified to the model's input size: that is what makes zooming in worth a tool call.
 IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class TinyModelConfig(Strict):
+    """A small random-initialised model of a real architecture, built offline by medray."""
+    arch: Literal["qwen2", "qwen2_5_vl"] = "qwen2"
+    vocab_size: int = Field(1024, ge=300, description="BPE merges target, before special tokens")
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    seed: int = 0
+    term_tokens: bool = Field(False, description="every HPO term that annotates a disease becomes one token, so a "
+                                                 "tiny model copies a phenotype as one token, not a run of BPE pieces")
+    tie_embeddings: bool = Field(False, description="the LM head shares the input embeddings, as in Qwen2.5 "
+                                                    "0.5B-3B; tied embeddings let a model copy a token it attends to")
+    copy_pretrain_steps: int = Field(0, ge=0, description="steps of synthetic in-context copying before the model is "
+                                                         "saved (a pretrained LM's induction, which SFT alone did not "
+                                                         "teach a tiny model); 0 keeps random weights")
+
+    @model_validator(mode="after")
+    def _head_dim(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.hidden_size // self.num_attention_heads < 32:
+            raise ValueError("head_dim = hidden_size / num_attention_heads must be >= 32 (vLLM's CPU attention)")
+        return self
+
+
+class ModelConfig(Strict):
+    path: str | None = Field(None, description="local Hugging Face model directory, or an alias of a real model "
+                                               "built offline (tasks/model_aliases.py: smollm2-135m-instruct); "
+                                               "null builds the tiny random model")
+    size_hint_b: float | None = Field(None, gt=0, description="parameters (billions) for --dry-run's memory estimate "
+                                                               "where model.path is not readable")
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
 
 def tokenizer_corpus() -> list[str]:
