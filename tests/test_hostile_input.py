@@ -122,7 +122,7 @@ def test_empty_or_truncated_training_file_names_the_file(tmp_path):
         load_tasks(str(cut))
 
 
-# ---- benchmark images and files (tasks/loaders.py) -------------------------------------------------------------------
+# ---- benchmark images and files (tasks/loaders/) ---------------------------------------------------------------------
 
 @pytest.fixture
 def fx(tmp_path) -> Path:
