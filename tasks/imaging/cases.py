@@ -1,8 +1,8 @@
 """Cases: lesions placed in grid cells of a background, rendered to an image with every lesion's box and mask."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 import hashlib
+from dataclasses import dataclass
 
 import numpy as np
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 from PIL import Image
 from scipy import ndimage
-import numpy as np
 
 from tasks.imaging.world import BACKGROUND_RANGE, IMAGE_SIZE
 

@@ -2,10 +2,10 @@
 and saving a case."""
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-import random
 
 from PIL import Image
 

@@ -2,15 +2,15 @@
 and the loop that maps rows to tasks."""
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 import csv
 import io
 import json
 import os
 import pickle
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 

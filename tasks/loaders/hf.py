@@ -1,10 +1,10 @@
 """Benchmarks saved with Hugging Face `datasets` (`save_to_disk`), mapped by the layout of the benchmark they hold."""
 from __future__ import annotations
 
-from pathlib import Path
 import hashlib
 import io
 import os
+from pathlib import Path
 
 from tasks.loaders.common import _BadRow, _Context, LoadResult, RowError, Rows, _run
 from tasks.loaders.mcq import _map_medxpertqa, _map_omnimedvqa, _map_pmc_vqa
