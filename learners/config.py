@@ -17,8 +17,8 @@ from actors.gym import ToolsConfig
 from actors.judge import JudgeConfig
 from actors.retrieval_index import IndexConfig
 from actors.retriever import RetrievalConfig
-from cluster.config import ActorResources, ClusterConfig  # noqa: F401  (ActorResources: part of the config's API)
-from tasks.tiny_models import ModelConfig, TinyModelConfig  # noqa: F401
+from cluster.config import ClusterConfig
+from tasks.tiny_models import ModelConfig
 
 
 class Strict(BaseModel):

@@ -1,11 +1,16 @@
 """The service actors of a run beside rollout, learner and reward roles: what the policy acts on during rollouts
-(retrievers) and what rewards call (the LLM judge) — which start, with what, and where (one placement bundle each)."""
+(retrievers) and what rewards call (the LLM judge) — which start, with what, and where (one placement bundle each) —
+and how their restarts are counted."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import ray
 
 from actors.environment import Environment, RetrievalEnvironment
 from cluster.placement import Placement
+from cluster.ray_session import ACTOR_LOST
 
 
 def policy_acts(cfg) -> bool:
@@ -49,8 +54,6 @@ def start_judge(cfg, placement: Placement):
     section."""
     if cfg.judge is None:
         return None
-    import ray
-
     from actors.judge import JudgeActor
     judge = JudgeActor.options(**placement.options("judge", 0, "JudgeActor")).remote(cfg.judge.model_dump(),
                                                                                     cfg.cluster.judge.threads)
@@ -75,3 +78,32 @@ def start_environment(cfg, placement: Placement) -> Environment | None:
         return make_tool_environment(cfg.tools, retriever)
     return RetrievalEnvironment(retriever, top_k=cfg.retrieval.search.top_k, timeout_s=cfg.retrieval.timeout_s,
                                 show=cfg.retrieval.show, link_options=cfg.retrieval.link_options)
+
+
+def service_actors(environment: Environment | None, judge) -> dict[str, list]:
+    """The service actors by metrics role: the environment's (retrievers, or the Gym's tool actors) and the judge."""
+    from actors.gym import ToolEnvironment
+    roles = {"tool" if isinstance(environment, ToolEnvironment) else "retriever": environment.actors()} \
+        if environment else {}
+    return {**roles, **({"judge": [judge]} if judge else {})}
+
+
+def count_restarts(actors_by_role: dict[str, list], pids: dict, restarts: dict[str, int]) -> None:
+    """A service actor that Ray restarted answers from a new process: count it in `restarts[role]` (`pids` keeps
+    the process id each one answered from). Ray retries the calls it lost on the new process, so the run goes on;
+    one still restarting is checked next time."""
+    for role, actors in actors_by_role.items():
+        restarts.setdefault(role, 0)
+        calls = [actor.__ray_call__.remote(_process_id) for actor in actors]
+        for i, call in enumerate(calls):
+            try:
+                pid = ray.get(call, timeout=30)
+            except ACTOR_LOST + (ray.exceptions.GetTimeoutError,):
+                continue
+            if pids.setdefault((role, i), pid) != pid:
+                restarts[role] += 1
+                pids[(role, i)] = pid
+
+
+def _process_id(_actor) -> int:
+    return os.getpid()

@@ -7,7 +7,6 @@ numbers; trajectories go from rollout workers to reward actors and learners dire
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,8 @@ import yaml
 
 from actors.environment import ImageTokens, derive_seed
 from actors.rollout_worker import RolloutWorker
-from learners.services import service_roles, start_environment, start_judge, tool_demand
+from learners.services import (count_restarts, service_actors, service_roles, start_environment, start_judge,
+                               tool_demand)
 from cluster.placement import ROLES, Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners import checkpoint as ckpt
@@ -93,7 +93,7 @@ class Trainer:
             if states:
                 ray.get(self.rewarders[0].load_state_dict.remote(states[0]))
         ray.get([w.ready.remote() for w in self.workers])
-        self.count_service_restarts()  # the process ids a restart will change
+        count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
         self.version = self.step  # the learner's weight version: one per optimizer step taken
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
         self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
@@ -248,28 +248,6 @@ class Trainer:
                 self.reward_pids[actor] = s["pid"]
         return ray.get(self.rewarders[0].calibrate.remote(scores)) if self.stateful_rewards else scores
 
-    def service_actors(self) -> dict[str, list]:
-        """The service actors by metrics role: the environment's (retrievers, or the Gym's tool actors) and the judge."""
-        from actors.gym import ToolEnvironment
-        env = self.environment
-        roles = {"tool" if isinstance(env, ToolEnvironment) else "retriever": env.actors()} if env else {}
-        return {**roles, **({"judge": [self.judge]} if self.judge else {})}
-
-    def count_service_restarts(self) -> None:
-        """A service actor that Ray restarted answers from a new process: count it in actor_restarts/<role>. Ray
-        retries the calls it lost on the new process, so the run goes on; one still restarting is checked next step."""
-        for role, actors in self.service_actors().items():
-            self.restarts.setdefault(role, 0)
-            calls = [actor.__ray_call__.remote(_process_id) for actor in actors]
-            for i, call in enumerate(calls):
-                try:
-                    pid = ray.get(call, timeout=30)
-                except ACTOR_LOST + (ray.exceptions.GetTimeoutError,):
-                    continue
-                if self.service_pids.setdefault((role, i), pid) != pid:
-                    self.restarts[role] += 1
-                    self.service_pids[(role, i)] = pid
-
     def check_fidelity(self, rollouts: StepRollouts, n: int = 4) -> float:
         """Max |engine logprob - learner logprob| over a few of the step's sequences, under the synced weights."""
         sample = ray.get(rollouts.trajectories[0])[:n]
@@ -310,6 +288,8 @@ class Trainer:
         return {**record, "eval_s": time.perf_counter() - start}
 
     def run_grpo(self, end: int, bar) -> list[dict]:
+        """GRPO steps until `end`: prompts -> rollouts -> rewards -> advantages -> update -> sync -> log. With
+        one_step_off the next step's rollouts are sampled with the current weights while this step trains."""
         cfg, history = self.stage_cfg, []
         overlap = self.cfg.async_mode == "one_step_off"
         pending = self.start_rollouts(self.step)
@@ -317,42 +297,57 @@ class Trainer:
             step_start, rollouts = time.perf_counter(), pending
             summaries = self.collect(rollouts)
             scores = self.score(rollouts)
-            # one_step_off: the next batch is sampled with the current weights while this one trains.
             next_step = rollouts.step + 1
             pending = self.start_rollouts(next_step) if overlap and next_step < end else None
-
-            batch, totals, sampled = rollouts.trajectories, [x for s in scores for x in s["total"]], {}
-            if cfg.algorithm.dynamic_sampling:
-                batch, totals, sampled = self.refill(rollouts, totals)
-            totals = torch.tensor(totals)
-            if len(totals) != cfg.rollout.prompts_per_step * cfg.rollout.group_size:
-                raise RuntimeError(f"step {rollouts.step + 1}: {len(totals)} samples scored, expected "
-                                   f"{cfg.rollout.prompts_per_step * cfg.rollout.group_size}")
-            advantages = group_advantages(totals, cfg.rollout.group_size, cfg.algorithm.normalize_std)
-            train = self.learners.train(batch, advantages.tolist(), cfg)
-            self.version += 1
-            sync = self.learners.sync(self.version)
-            self.restarts["rollout"] += sync["sync_retries"]  # a worker lost between steps, back for the sync
-            self.count_service_restarts()
-
+            batch, totals, sampled = self.training_batch(rollouts, scores)
+            advantages = group_advantages(torch.tensor(totals), cfg.rollout.group_size, cfg.algorithm.normalize_std)
+            train, sync = self.update_and_sync(batch, advantages.tolist(), "grpo")
             if not overlap and next_step < end:
                 pending = self.start_rollouts(next_step)
             self.step = next_step
-            record = {**step_metrics(self.step, scores, summaries, train, sync, self.version), **sampled}
-            record.update({f"actor_restarts/{role}": n for role, n in self.restarts.items()})
-            if self.judge is not None:  # the judge's own counters, per step: parse failures are never silent
-                judged = ray.get(self.judge.stats.remote())
-                record.update({f"judge/{k}": max(0, judged[k] - self.judge_counts.get(k, 0))  # 0 after a restart
-                               for k in ("calls", "prompts", "retries", "parse_failures")})
-                self.judge_counts = judged
-            if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
-                record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
-                if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():
-                    raise RuntimeError(f"rollout and learner log-probabilities differ by "
-                                       f"{record['fidelity_max_abs_diff']:.2e} after the sync of step "
-                                       f"{self.step} (rollout.fidelity_tolerance {cfg.fidelity_tolerance():g})")
+            record = {**step_metrics(self.step, scores, summaries, train, sync, self.version), **sampled,
+                      **self.health(rollouts)}
             history.append(self.finish_step(record, step_start, bar))
         return history
+
+    def training_batch(self, rollouts: StepRollouts, scores: list[dict]) -> tuple[list, list[float], dict]:
+        """What the learner trains on: the step's rollouts with their rewards, or with dynamic sampling the
+        informative groups (`refill`), always prompts_per_step whole groups."""
+        r, totals = self.stage_cfg.rollout, [x for s in scores for x in s["total"]]
+        batch, totals, sampled = self.refill(rollouts, totals) if self.stage_cfg.algorithm.dynamic_sampling \
+            else (rollouts.trajectories, totals, {})
+        if len(totals) != r.prompts_per_step * r.group_size:
+            raise RuntimeError(f"step {rollouts.step + 1}: {len(totals)} samples scored, expected "
+                               f"{r.prompts_per_step * r.group_size}")
+        return batch, totals, sampled
+
+    def update_and_sync(self, batch: list, advantages: list[float] | None, objective: str) -> tuple[dict, dict]:
+        """The tail every step shares: one update of the learner group, then its weights to every rollout worker."""
+        train = self.learners.train(batch, advantages, self.stage_cfg, objective=objective)
+        self.version += 1
+        sync = self.learners.sync(self.version)
+        self.restarts["rollout"] += sync["sync_retries"]  # a worker lost between steps, back for the sync
+        return train, sync
+
+    def health(self, rollouts: StepRollouts) -> dict:
+        """What a GRPO step reports about the machinery around the algorithm: actors restarted, by role; the judge's
+        own counters (parse failures are never silent); and every fidelity_check_every steps the engine-vs-learner
+        log-probability check, which stops the run when it fails."""
+        cfg = self.stage_cfg
+        count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)
+        record = {f"actor_restarts/{role}": n for role, n in self.restarts.items()}
+        if self.judge is not None:
+            judged = ray.get(self.judge.stats.remote())
+            record.update({f"judge/{k}": max(0, judged[k] - self.judge_counts.get(k, 0))  # 0 after a restart
+                           for k in ("calls", "prompts", "retries", "parse_failures")})
+            self.judge_counts = judged
+        if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
+            record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
+            if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():
+                raise RuntimeError(f"rollout and learner log-probabilities differ by "
+                                   f"{record['fidelity_max_abs_diff']:.2e} after the sync of step {self.step} "
+                                   f"(rollout.fidelity_tolerance {cfg.fidelity_tolerance():g})")
+        return record
 
     def run_sft(self, end: int, bar) -> list[dict]:
         """Demonstration batches through the same learner group; the weights reach the rollout workers each step."""
@@ -360,10 +355,7 @@ class Trainer:
         while self.step < end:
             step_start = time.perf_counter()
             batch = [self.demonstrations[i] for i in self.sampler.batch(self.step)]
-            train = self.learners.train([ray.put(batch)], None, self.stage_cfg, objective="sft")
-            self.version += 1
-            sync = self.learners.sync(self.version)
-            self.restarts["rollout"] += sync["sync_retries"]
+            train, sync = self.update_and_sync([ray.put(batch)], None, "sft")
             self.step += 1
             tokens = max(train["mask_sum"], 1.0)
             record = {"step": self.step, "sft_loss": train["loss"], "sft_tokens": train["mask_sum"],
@@ -406,7 +398,3 @@ class Trainer:
         for actor in self.workers + self.rewarders + services:
             ray.kill(actor)
         self.placement.remove()
-
-
-def _process_id(_actor) -> int:
-    return os.getpid()
