@@ -1,4 +1,4 @@
-"""MedVR's Entropy-guided Visual Regrounding (EVR, 002_a8815a664d471596.txt, sec. 3.2 and Algorithm 1): where a
+"""MedVR's Entropy-guided Visual Regrounding (EVR, the MedVR paper, sec. 3.2 and Algorithm 1): where a
 rollout is uncertain about a tool's arguments, fork it and sample those arguments again.
 
     H_t   = - sum_v p_t(v) log p_t(v)                   token entropy at temperature T

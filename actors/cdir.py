@@ -1,4 +1,4 @@
-"""Confidence-Driven Image Re-retrieval (CDIR), Med-RwR's test-time scaling (000_d328289b5d42db1e.txt, sec. 3.3,
+"""Confidence-Driven Image Re-retrieval (CDIR), Med-RwR's test-time scaling (the Med-RwR paper, sec. 3.3,
 Eqns. 6-7, appendix D.2.2, Algorithm 1):
 
     eta = pi_theta(y_hat_{tau+1} | x, y_hat_{<=tau}, h, k)                                                  (Eqn. 6)

@@ -1,4 +1,4 @@
-"""The medical tool Gym (MedVistaGym, 004_060a9c9a8c22b8bf.txt; MedVR's zoom-in, 002_a8815a664d471596.txt): tool
+"""The medical tool Gym (MedVistaGym, the MedVistaGym paper; MedVR's zoom-in, the MedVR paper): tool
 calls parsed from the policy's text, checked, run on tool actors, and answered with evidence.
 
 One set of rules serves two callers:

@@ -81,7 +81,7 @@ def parse_json(text: str) -> Any | None:
 
 
 def parse_triples(text: str, with_source: bool = True) -> list[tuple] | None:
-    """A JSON list of knowledge-graph triples, Med-R3 eq. 1 (001_185c3d3cb82464a3.txt): [head, relation, tail] or,
+    """A JSON list of knowledge-graph triples, Med-R3 eq. 1 (the Med-R3 paper): [head, relation, tail] or,
     with_source, [head, relation, tail, s] with s = 1 if the fact came from retrieved documents, 0 if from the model's
     own reasoning. Strings must be non-empty; any malformed item makes the whole output None (no partial credit for
     half-parsed graphs). An empty list is a valid graph."""

@@ -1,4 +1,4 @@
-"""ARMed's medical thinking knowledge injection (003_16ec4d72bad9d774.txt, sec. 3.4): the SFT stage between its two
+"""ARMed's medical thinking knowledge injection (ARMed, arXiv 2508.12957, sec. 3.4): the SFT stage between its two
 RL stages trains on the RL model's own reasoning for a compact, diverse set of representative questions.
 
     D_core = {(x_i, y_i) | f(y_i) > tau}                       (Eqn. 12, f = frequency of the answer)

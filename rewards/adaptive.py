@@ -1,4 +1,4 @@
-"""ARMed's adaptive reward calibration Adapt() (003_16ec4d72bad9d774.txt, eqs. 5-9, defaults from its Table S5) and
+"""ARMed's adaptive reward calibration Adapt() (ARMed, arXiv 2508.12957, eqs. 5-9, defaults from its Table S5) and
 the semantic alignment reward built on it.
 
 The full ARMed reward, (g1*Rc + g2*Ras + g3*Rf) / (g1 + g2 + g3) with g = 0.4, 0.4, 0.2, is plain config: reward

@@ -1,4 +1,4 @@
-"""Med-RwR's confidence-gain reward (000_d328289b5d42db1e.txt, sec. 3.2.2, Eqn. 3).
+"""Med-RwR's confidence-gain reward (the Med-RwR paper, sec. 3.2.2, Eqn. 3).
 
     sigma_c = log pi_theta(gold | x, y_<=tau, h, k) - log pi_theta(gold | x, y_<=tau)
 

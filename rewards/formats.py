@@ -34,7 +34,7 @@ def follows_grammar(text: str, tags: list[str], grammar: str, free_gaps: tuple[t
 
 
 def med_rwr_format_score(text: str, retrieved: bool, correct: bool, think: str = "think") -> float:
-    """Med-RwR's format reward (000_d328289b5d42db1e.txt, sec. 3.2): 1 if the output has a thinking process (a
+    """Med-RwR's format reward (the Med-RwR paper, sec. 3.2): 1 if the output has a thinking process (a
     non-empty <think> block), plus 1 more when retrieval was used and the answer is correct; 0 without thinking."""
     thinking = re.search(rf"<{think}>\s*\S.*?</{think}>", text, flags=re.S) is not None
     return float(thinking) * (1.0 + float(retrieved and correct))
@@ -48,7 +48,7 @@ def med_rwr_format(trajectories: list[Trajectory], think: str = "think") -> dict
 
 
 def med_r3_grammar(think: str, answer: str, retrieval: list[str]) -> tuple[list[str], str]:
-    """Med-R3's grammar (001_185c3d3cb82464a3.txt, sec. "Format"): <think>...</think><answer>...</answer>, each once
+    """Med-R3's grammar (the Med-R3 paper, sec. "Format"): <think>...</think><answer>...</answer>, each once
     ("no duplicate tags"), with any number of <search>...</search><document>...</document> rounds inside the think
     block (the model searches while thinking; the environment writes the document). retrieval=[] gives the plain
     think-then-answer grammar, e.g. ARMed's Rf."""
@@ -66,7 +66,7 @@ def med_r3_format(trajectories: list[Trajectory], think: str = "think", answer: 
 
 def medvista_format_ok(text: str, think: str = "think", tool_call: str = "tool_call", answer: str = "answer",
                        min_tool_calls: int = 1) -> bool:
-    """MedVistaGym's format (004_060a9c9a8c22b8bf.txt, appendix C): <think></think> then, per tool call,
+    """MedVistaGym's format (the MedVistaGym paper, appendix C): <think></think> then, per tool call,
     <tool_call>{json}</tool_call> followed by the environment's observation and a new <think></think>, and finally
     <answer></answer>; every tool call a JSON object; at least `min_tool_calls` calls (the paper's order has one)."""
     grammar = (f"<{think}></{think}>(?:<{tool_call}></{tool_call}><{think}></{think}>)"
@@ -105,7 +105,7 @@ def is_repetitive(text: str, observation: str = "tool_response", ngram: int = 8,
 def medvista_accuracy(trajectories: list[Trajectory], think: str = "think", tool_call: str = "tool_call",
                       answer: str = "answer", observation: str = "tool_response", min_tool_calls: int = 1,
                       ngram: int = 8, repeats: int = 3) -> dict[str, list[float]]:
-    """MedVistaGym's gated accuracy (004_060a9c9a8c22b8bf.txt, sec. 3.2): 1 only if the response is well-formed
+    """MedVistaGym's gated accuracy (the MedVistaGym paper, sec. 3.2): 1 only if the response is well-formed
     (MedVistaGym's format), free of repetitive generation and its answer is correct; plain correctness is logged
     as `metric/ungated_accuracy`."""
     correct = [answer_correct(t) for t in trajectories]

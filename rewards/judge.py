@@ -1,4 +1,4 @@
-"""Med-R3's judge-based rewards (001_185c3d3cb82464a3.txt, "Progressive Reinforcement Learning" and appendix
+"""Med-R3's judge-based rewards (the Med-R3 paper, "Progressive Reinforcement Learning" and appendix
 "Reward Modeling Details"): answer correctness, the reasoning process (semantic + statistic + logical), the retrieval
 number, and retrieval effectiveness (quality + breadth). Every component is normalised to [0, 1].
 

@@ -1,4 +1,4 @@
-"""ARMed's Normalised Contribution Index (003_16ec4d72bad9d774.txt, appendix E.1, eq. S8): how much each reward
+"""ARMed's Normalised Contribution Index (the ARMed paper, arXiv 2508.12957, appendix E.1, eq. S8): how much each reward
 component steers the GRPO advantage. A component whose NCI falls to ~0 has collapsed."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Med-RwR's query semantic reward (000_d328289b5d42db1e.txt, sec. 3.2.2), text half:
+"""Med-RwR's query semantic reward (the Med-RwR paper, sec. 3.2.2), text half:
 
     sigma_q_text = |S_Q ∩ S_G| / |S_Q| + |S_K ∩ S_G| / |S_K|                                   (Eqn. 1)
 

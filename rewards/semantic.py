@@ -102,7 +102,7 @@ class BertScore:
 
 def medvr_open_score(bleu: float, rouge: float, bertscore: float, lam: float = 0.8) -> float:
     """MedVR's open-ended accuracy R_open = 0.5 * lam * (BLEU-1 + ROUGE-1) + (1 - lam) * BERTScore
-    (002_a8815a664d471596.txt, eq. 6; lam = 0.8)."""
+    (the MedVR paper, eq. 6; lam = 0.8)."""
     return 0.5 * lam * (bleu + rouge) + (1 - lam) * bertscore
 
 

