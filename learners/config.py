@@ -184,6 +184,8 @@ class EvalConfig(Strict):
     at_start: bool = Field(True, description="evaluate the starting weights before the first step (the base)")
     at_end: bool = Field(True, description="evaluate the final weights; with at_start, eval.md compares the two")
     batch_size: int = Field(64, ge=1, description="tasks per rollout call on one worker")
+    max_turns: int | None = Field(None, ge=0, description="environment calls per episode at evaluation (MedVR: 4 "
+                                                          "tool calls at inference); null: the grammar's")
 
 
 class LoggingConfig(Strict):

@@ -155,6 +155,12 @@ def run_episodes(workers: list, tasks: list[dict], sampling: dict, seed: int, ba
     return trajectories, summaries
 
 
+def eval_grammar(cfg, grammar: dict) -> dict:
+    """The grammar episodes are evaluated with: the run's, with `eval.max_turns` when the config sets it."""
+    limit = cfg.eval.max_turns if cfg.eval is not None else None
+    return grammar if limit is None else {**grammar, "max_turns": limit}
+
+
 def greedy_sampling(cfg) -> dict:
     return {"temperature": 0.0, "max_tokens": cfg.rollout.max_new_tokens, "stop": cfg.rollout.stop}
 
@@ -184,7 +190,7 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
     sampling = greedy_sampling(cfg)
     try:
         trajectories, summaries = run_episodes(workers, text_only_view(tasks, checkpoint), sampling, cfg.seed,
-                                               batch_size)
+                                               batch_size, eval_grammar(cfg, cfg.rollout.grammar.model_dump()))
         for traj, task in zip(trajectories, tasks):
             traj.task = task  # scoring and CDIR read the task as written, images included
         metrics = score(trajectories, summaries)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from learners.config import RunConfig
 from learners.data import load_tasks
-from learners.evaluate import greedy_sampling, run_episodes, score, text_only_view, write_report, write_samples
+from learners.evaluate import (eval_grammar, greedy_sampling, run_episodes, score, text_only_view, write_report,
+                               write_samples)
 
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
 LOGGED = ("accuracy", "format_rate", "gold_retrieved", "env_calls_per_sample", "response_length")
@@ -42,7 +43,8 @@ class Validator:
         record = {}
         for split, tasks in self.splits.items():
             trajectories, summaries = run_episodes(workers, tasks, greedy_sampling(self.cfg), self.cfg.seed,
-                                                   self.cfg.eval.batch_size, grammar, desc=f"eval {split}")
+                                                   self.cfg.eval.batch_size, eval_grammar(self.cfg, grammar),
+                                                   desc=f"eval {split}")
             metrics = score(trajectories, summaries)
             where = self.out / "eval" / f"step_{step}" / split_dir_name(split)
             write_report(where, metrics, f"step {step} on {split}", {"step": step, "data": split})

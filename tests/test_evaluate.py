@@ -91,3 +91,13 @@ def test_the_closing_report_lists_every_evaluation_of_the_run(tmp_path):
     assert "| hpo:mcq_test | base (step 0) | 0.0% [0.0%, 2.5%] | 0.0% | 0.00 | 80.0% | 150 |" in report
     assert f"| hpo:mcq_test | after grpo (step {cfg.total_steps}) | 80.0% [72.9%, 85.6%] | 99.0% | 1.00 |" in report
     assert (tmp_path / "eval.md").read_text() == report
+
+
+def test_evaluation_can_cap_the_turns_training_allowed():
+    from learners.config import load_config
+    from learners.evaluate import eval_grammar
+
+    grammar = {"action_tag": "tool_call", "max_turns": 6}
+    medvr = load_config("configs/medvr_cluster.yaml")
+    assert medvr.eval.max_turns == 4 and eval_grammar(medvr, grammar) == {"action_tag": "tool_call", "max_turns": 4}
+    assert eval_grammar(load_config("configs/quickstart.yaml"), grammar) == grammar
