@@ -50,7 +50,7 @@ def test_images_become_pad_runs_that_collapse_for_vllm_and_are_never_cut(vision)
 @pytest.mark.slow
 def test_tiny_vl_build_is_deterministic(vl_model_path, tmp_path, monkeypatch):
     """A second build from scratch (tokenizer, weights, processor) is byte-identical to the cached one."""
-    from learners import tiny_models
+    from tasks import tiny_models
     monkeypatch.setattr(tiny_models, "cache_dir", lambda: tmp_path)
     again = tiny_models.ensure_tiny_model(VL)
     assert again != vl_model_path
