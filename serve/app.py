@@ -33,7 +33,7 @@ from serve.images import load_image
 from serve.metrics import serve_metrics
 from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, decode_body,
                             finish_reason, parse_request, usage, usage_chunk)
-from serve.retrievers import ImageRetrieverServer, RetrieverServer
+from serve.retrievers import CONSTRUCTOR_RETRIES, ImageRetrieverServer, RetrieverServer
 from tasks.schema import parse_option_listing
 
 log = logging.getLogger("medray.serve")
@@ -128,7 +128,7 @@ def sse(event: dict | str) -> str:
 
 # Everything ChatServer's methods call is defined above it: Serve pickles the class by value when it is decorated.
 @serve.deployment(name="ChatServer", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
-                  health_check_period_s=10, health_check_timeout_s=60)
+                  health_check_period_s=10, health_check_timeout_s=60, max_constructor_retry_count=CONSTRUCTOR_RETRIES)
 @serve.ingress(api)
 class ChatServer:
     """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever is bound, CDIR in it when an

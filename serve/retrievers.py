@@ -10,12 +10,18 @@ from actors.retriever import LocalRetriever, ShardedRetriever
 from cluster.devices import pin_threads
 
 
+# A replica whose constructor fails (the app builder checked what it could) fails its deployment after one retry, so
+# `serve run` stops with the error instead of restarting replicas for minutes.
+CONSTRUCTOR_RETRIES = 1
+
+
 def assigned_threads() -> int:
     """The CPUs Serve gave this replica, at least one."""
     return max(1, round(ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)))
 
 
-@serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.5}, health_check_period_s=30)
+@serve.deployment(name="Retriever", ray_actor_options={"num_cpus": 0.5}, health_check_period_s=30,
+                  max_constructor_retry_count=CONSTRUCTOR_RETRIES)
 class RetrieverServer:
     """`actors.retriever` over one index (a sharded one through one actor per shard) as a Serve deployment, so it
     scales and restarts with the app."""
@@ -35,7 +41,8 @@ class RetrieverServer:
         return True
 
 
-@serve.deployment(name="ImageRetriever", ray_actor_options={"num_cpus": 0.25}, health_check_period_s=30)
+@serve.deployment(name="ImageRetriever", ray_actor_options={"num_cpus": 0.25}, health_check_period_s=30,
+                  max_constructor_retry_count=CONSTRUCTOR_RETRIES)
 class ImageRetrieverServer:
     """CDIR's image-caption index (`actors.image_index`, BiomedCLIP image cosine) as a Serve deployment: the most
     similar cases of an agent request's image."""
