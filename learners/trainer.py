@@ -384,7 +384,8 @@ class Trainer:
         self.tokenizer.save_pretrained(tmp)
         # The stage's resolved config travels with the weights: serving takes the grammar and retrieval from it.
         (tmp / ckpt.RUN_CONFIG).write_text(yaml.safe_dump(self.stage_cfg.dump(), sort_keys=False))
-        reward_states = [ray.get(self.rewarders[0].state_dict.remote())]  # the owner's (see enter_stage)
+        # the owner's (see enter_stage); an SFT stage has no reward actors
+        reward_states = [ray.get(self.rewarders[0].state_dict.remote())] if self.rewarders else []
         ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
                                                      "stage": self.stage_index, "reward_states": reward_states},
                     self.cfg.checkpoint.keep_last)
