@@ -31,6 +31,8 @@ import numpy as np
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tasks.extras import require
+
 
 class ToolArgumentError(ValueError):
     """A call the tool cannot run; the message is written for the policy to read and correct."""
@@ -263,6 +265,7 @@ class ZoomIn(ImageTool):
 def enhance_pixels(pixels: np.ndarray, method: str) -> np.ndarray:
     """uint8 pixels enhanced with scikit-image: CLAHE (contrast-limited adaptive histogram equalisation, on the value
     channel for colour), total-variation denoising (Chambolle), or gamma 0.6 brightening."""
+    require("skimage", "vision")
     from skimage import exposure, restoration, util
 
     image = util.img_as_float(pixels)

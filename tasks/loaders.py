@@ -51,6 +51,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from tasks.extras import require
 from tasks.schema import Message, Task, _describe, write_tasks
 
 LETTERS = "ABCDEFGHIJ"
@@ -696,10 +697,7 @@ def load_hf_saved(path, benchmark: str, *, split: str | None = None, image_root=
     ``options`` go to the row mapper (``languages`` for slake, ``split`` for vqa_rad is the dataset split here)."""
     if benchmark not in MAPPERS:
         raise ValueError(f"unknown benchmark {benchmark!r}; choose from {sorted(MAPPERS)}")
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError("load_hf_saved needs the `datasets` package (pip install datasets)") from None
+    datasets = require("datasets", "medical")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{benchmark}: {path} does not exist")
