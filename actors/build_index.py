@@ -20,6 +20,7 @@ from pathlib import Path
 from actors.encoders import Encoder, load_encoder
 from actors.retrieval_index import (IndexConfig, IndexMismatchError, check_manifest, read_manifest, resolve_corpus,
                                     write_index)
+from tasks.extras import require
 from tasks.files import file_lock, sha256_file
 from tasks.hpo import cache_dir
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.add_argument(flag, type=int, default=None, help=f"{field.description} (default {field.default})")
     args = parser.parse_args(argv)
     if args.threads:
-        import faiss
+        faiss = require("faiss", "medical")
         import torch
 
         torch.set_num_threads(args.threads)

@@ -28,6 +28,7 @@ import numpy as np
 import ray
 
 from actors.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index, read_manifest
+from tasks.extras import require
 from tasks.files import building_dir, file_lock
 from tasks.image_corpus import default_corpus, read_image_corpus
 
@@ -65,7 +66,7 @@ def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | No
                       clip_path: str | None = None, batch_size: int = 32, progress: bool = True) -> dict:
     """Embed every corpus image with BiomedCLIP (``model``, else loaded from ``clip_path``; None: the tiny one) and
     write the index; returns its manifest. Written to a temporary sibling and renamed: never found half-written."""
-    import faiss
+    faiss = require("faiss", "medical")
 
     from actors.biomedclip import load_biomedclip
 
@@ -150,7 +151,7 @@ class LocalImageRetriever:
 
     def __init__(self, index_dir: str | os.PathLike, model=None, clip_path: str | None = None,
                  corpus: str | os.PathLike | None = None):
-        import faiss
+        faiss = require("faiss", "medical")
 
         from actors.biomedclip import load_biomedclip
 
@@ -192,7 +193,7 @@ class ImageRetriever(LocalImageRetriever):
     it on the restarted actor after a crash."""
 
     def __init__(self, index_dir: str, *, threads: int = 1, **kwargs):
-        import faiss
+        faiss = require("faiss", "medical")
 
         from cluster.devices import pin_threads
 

@@ -25,6 +25,8 @@ from typing import Any, Callable, Literal
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tasks.extras import require
+
 Messages = list[dict]
 
 
@@ -163,7 +165,7 @@ class JudgeActor:
         self._generate = self._generate_vllm
 
     def _start_openai(self) -> None:
-        from openai import OpenAI
+        OpenAI = require("openai", "judge").OpenAI
         key = "EMPTY"  # OpenAI-compatible servers without auth still need a non-empty key in the client
         if self.cfg.api_key_env:
             if not os.environ.get(self.cfg.api_key_env):

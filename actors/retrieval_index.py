@@ -26,6 +26,7 @@ from typing import Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from tasks.extras import require
 from tasks.files import building_dir, sha256_file
 
 #: Bump when the directory layout or manifest fields change; older indexes are then refused.
@@ -84,7 +85,7 @@ class DocStore:
 
 def build_dense_index(vectors: np.ndarray, config: IndexConfig):
     """A CPU FAISS index over unit-norm ``vectors`` (n, d) with inner-product metric, trained and filled."""
-    import faiss
+    faiss = require("faiss", "medical")
 
     n, dim = vectors.shape
     if config.kind == "flat":
@@ -116,7 +117,7 @@ def prepare_for_search(index, config: IndexConfig):
     and IVF-PQ with ``refine_factor=0`` move. This GPU path is chosen by ``faiss.get_num_gpus()`` and is not exercised
     by medray's tests, which run on faiss-cpu.
     """
-    import faiss
+    faiss = require("faiss", "medical")
 
     on_gpu = config.gpu and faiss.get_num_gpus() > 0 and (
         config.kind == "flat" or (config.kind == "ivfpq" and not config.refine_factor))
@@ -157,7 +158,7 @@ def import_bm25s():
     saved = {name: sys.modules.get(name) for name in ("numba",)}
     sys.modules["numba"] = None  # makes `from numba import njit` raise ImportError inside bm25s
     try:
-        import bm25s
+        bm25s = require("bm25s", "medical")
         import bm25s.scoring  # noqa: F401  (its own numba probe)
     finally:
         for name, module in saved.items():
@@ -212,7 +213,7 @@ def write_index(out_dir: str | os.PathLike, chunks: list[dict], vectors: np.ndar
 
 def _write_shard(directory: Path, chunks: list[dict], vectors: np.ndarray | None, common: dict,
                  config: IndexConfig, progress: bool) -> dict:
-    import faiss
+    faiss = require("faiss", "medical")
 
     bm25s = import_bm25s()
     seconds = {}

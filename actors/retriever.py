@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from actors.encoders import Encoder, load_encoder
 from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, import_bm25s,
                                     prepare_for_search, read_manifest, resolve_corpus, shard_dirs)
+from tasks.extras import require
 from tasks.files import sha256_file
 
 
@@ -131,7 +132,7 @@ class LocalRetriever:
 
     def __init__(self, index_dir: str | os.PathLike, encoder: Encoder | str | None = None, corpus: str | None = None,
                  config: RetrievalConfig | dict | None = None):
-        import faiss
+        faiss = require("faiss", "medical")
 
         bm25s = import_bm25s()
         self.index_dir = Path(index_dir)
@@ -230,7 +231,7 @@ class Retriever(LocalRetriever):
     """
 
     def __init__(self, index_dir: str, *, threads: int = 1, **kwargs):
-        import faiss
+        faiss = require("faiss", "medical")
 
         from cluster.devices import pin_threads
 

@@ -19,6 +19,18 @@ WORKER_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
 }
 
+#: What a quiet run (logging.verbose false) sets in the driver and, through it, the actors: no per-item progress bars
+#: (tqdm, Hugging Face), and vLLM, transformers and Intel OpenMP print errors only.
+QUIET_ENV = {
+    "TQDM_DISABLE": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "KMP_WARNINGS": "0",
+}
+#: The driver's variables that reach the actors of a joined cluster too (a local Ray's inherit the whole environment).
+FORWARDED_ENV = ("MEDRAY_CACHE", *QUIET_ENV)
+
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -40,19 +52,20 @@ def start_or_join(cfg: ClusterConfig, runtime_env: dict | None = None) -> dict:
     to `cfg.host` (loopback by default). Returns the cluster's resources."""
     # Torch tensors in ray.put are zero-copy only if this is set before ray.init (10x faster weight sync).
     os.environ.setdefault("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS", "1")
-    env = {"env_vars": {**WORKER_ENV, **(runtime_env or {}).get("env_vars", {})}}
-    if "MEDRAY_CACHE" in os.environ:
-        env["env_vars"]["MEDRAY_CACHE"] = os.environ["MEDRAY_CACHE"]
+    forwarded = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
+    env = {"env_vars": {**WORKER_ENV, **forwarded, **(runtime_env or {}).get("env_vars", {})}}
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if ray.is_initialized():
-        pass
-    elif address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+        return ray.cluster_resources()
+    if address:
+        context = ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
         if cfg.host in LOOPBACK:
             keep_ray_on_loopback()
-        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
-                 dashboard_host=cfg.host, _node_ip_address=cfg.host, runtime_env=env, log_to_driver=True)
+        context = ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=cfg.include_dashboard,
+                           dashboard_host=cfg.host, _node_ip_address=cfg.host, runtime_env=env, log_to_driver=True)
+    if context.dashboard_url:
+        log.info("ray dashboard: http://%s", context.dashboard_url)
     resources = ray.cluster_resources()
     log.info("ray: %s", {k: v for k, v in resources.items() if k in ("CPU", "GPU", "memory")})
     return resources

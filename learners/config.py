@@ -188,9 +188,20 @@ class EvalConfig(Strict):
                                                           "tool calls at inference); null: the grammar's")
 
 
+class WandbConfig(Strict):
+    """Weights & Biases, next to TensorBoard (the `wandb` extra). offline writes the run under output_dir/wandb/ for a
+    later `wandb sync`, with no network or account."""
+    project: str = "medray"
+    name: str | None = Field(None, description="the run's name; default: output_dir's last component")
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
 class LoggingConfig(Strict):
     tensorboard: bool = True
     progress_bar: bool = True
+    wandb: WandbConfig | None = Field(None, description="log to Weights & Biases too")
+    verbose: bool = Field(False, description="print everything: third-party warnings and every actor's output (by "
+                                             "default they go to output_dir/run.log only)")
 
 
 class RunConfig(Strict):

@@ -1,16 +1,49 @@
-"""Where a run's numbers go: metrics.jsonl (one line per step), TensorBoard, and the progress bar."""
+"""Where a run's numbers go: metrics.jsonl (one line per step), TensorBoard, Weights & Biases, the Ray dashboard's
+gauges, and the progress bar.
+
+metrics.jsonl keeps the flat names the code writes (reward_mean, kl, train_s); the trackers show them grouped
+(reward/mean, actor/kl, timing/train_s) by `grouped_name`, the one mapping docs/TRAINING.md lists.
+"""
 from __future__ import annotations
 
 import json
 import math
 import re
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from learners.config import LoggingConfig
 from rewards.registry import is_diagnostic
+from tasks.extras import require
+
+#: The trackers' group of each flat name of metrics.jsonl. Names that hold a '/' are grouped already
+#: (reward/<component>, eval/<split>/<metric>, judge/*, nci/*, actor_restarts/*, metric/*).
+GROUPS = {
+    "actor": ("loss", "sft_loss", "sft_tokens", "kl", "entropy", "clip_fraction", "grad_norm", "lr",
+              "fidelity_max_abs_diff"),
+    "rollout": ("response_length", "truncated_fraction", "tokens_per_s", "env_calls", "env_errors",
+                "env_calls_per_episode", "env_idle_fraction", "branch_events", "branch_budget"),
+    "weights": ("weight_version", "batch_weight_version", "version_lag", "sync_retries"),
+    "progress": ("stage",),
+}
+RENAMED = {"reward_mean": "reward/mean", "reward_std": "reward/std", "accuracy": "reward/accuracy"}
+GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
+
+
+def grouped_name(key: str) -> str:
+    """A metrics.jsonl name as the trackers show it: durations (`*_s`) under timing/, the rest by GROUPS (other/
+    for a name not listed there)."""
+    if "/" in key:
+        return key
+    if key in RENAMED:
+        return RENAMED[key]
+    if key.endswith("_s") and key not in GROUP_OF:
+        return f"timing/{key}"
+    return f"{GROUP_OF.get(key, 'other')}/{key}"
 
 BAR_KEYS = [("sft_loss", "loss"), ("reward_mean", "reward"), ("accuracy", "acc"), ("response_length", "len"), ("kl", "kl"),
             ("generate_s", "gen_s"), ("train_s", "train_s"), ("version_lag", "lag")]
@@ -38,19 +71,22 @@ class MetricsLogger:
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step)
+        self.wandb = start_wandb(out, cfg, resumed=resume_step is not None) if cfg.wandb else None
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
-        scalars = {k: v for k, v in record.items()
+        scalars = {grouped_name(k): v for k, v in record.items()
                    if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
         for k, v in scalars.items():
             if self.tb:
                 self.tb.add_scalar(k, v, record["step"])
             self._gauge(k).set(v)
+        if self.wandb:
+            self.wandb.log(scalars, step=record["step"])
 
     def _gauge(self, key: str):
-        """A Ray metric per scalar (medray_reward_mean, ...), so the dashboard's metrics view shows training
-        next to the actors and resources."""
+        """A Ray metric per scalar (medray_reward_mean for reward/mean, ...), so the dashboard's metrics view shows
+        training next to the actors and resources."""
         if key not in self.gauges:
             from ray.util.metrics import Gauge
             name = "medray_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
@@ -78,6 +114,22 @@ class MetricsLogger:
         self.file.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+def start_wandb(out: Path, cfg: LoggingConfig, resumed: bool):
+    """A W&B run with the run's config.yaml as its config; a resumed run continues the W&B run of its first start
+    (its id is kept in output_dir/wandb/run_id)."""
+    wandb = require("wandb", "wandb")
+    id_file = out / "wandb" / "run_id"
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    if not (resumed and id_file.is_file()):
+        id_file.write_text(secrets.token_hex(4))
+    config = yaml.safe_load((out / "config.yaml").read_text()) if (out / "config.yaml").is_file() else None
+    return wandb.init(project=cfg.wandb.project, name=cfg.wandb.name or out.resolve().name, mode=cfg.wandb.mode,
+                      dir=str(out), id=id_file.read_text().strip(), resume="allow", config=config,
+                      settings=wandb.Settings(silent=not cfg.verbose))
 
 
 def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,

@@ -25,13 +25,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="dry run: GPUs per cluster node")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="dry run: memory of one GPU")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.dry_run:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from learners.dry_run import dry_run, print_plan
         try:
             print_plan(dry_run(cfg, args.gpus_per_node, args.gpu_memory_gb))
@@ -39,8 +39,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
+    from cluster.ray_session import start_or_join
+    from learners import console
     from learners.learner_group import LearnerRankFailed
     from learners.trainer import Trainer
+    run_log = console.configure(Path(cfg.output_dir), cfg.logging.verbose)
+    start_or_join(cfg.cluster)
+    if not cfg.logging.verbose:
+        console.route_actor_output(run_log)
     trainer = Trainer(cfg)
     try:
         history = trainer.fit()
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     if history:
         rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
         summary = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; " if rewards else ""
-        print(f"done: {len(history)} steps, {summary}outputs in {cfg.output_dir}")
+        print(f"done: {len(history)} steps, {summary}outputs in {cfg.output_dir} (log: {run_log})")
     if trainer.report:
         print("\n" + trainer.report)
     return 0

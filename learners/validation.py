@@ -7,6 +7,7 @@ output_dir/eval.md, eval.json and curves.png.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from learners.evaluate import (eval_grammar, greedy_sampling, run_episodes, scor
 
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
 LOGGED = ("accuracy", "format_rate", "gold_retrieved", "env_calls_per_sample", "response_length")
+
+log = logging.getLogger("medray.eval")
 
 
 def split_dir_name(split: str) -> str:
@@ -49,6 +52,9 @@ class Validator:
             where = self.out / "eval" / f"step_{step}" / split_dir_name(split)
             write_report(where, metrics, f"step {step} on {split}", {"step": step, "data": split})
             write_samples(where / "samples.jsonl", trajectories)
+            shown = {k: metrics[k]["mean"] for k in ("accuracy", "format_rate") if isinstance(metrics.get(k), dict)}
+            log.info("eval at step %d on %s: %s (n=%d)", step, split,
+                     ", ".join(f"{k} {v:.1%}" for k, v in shown.items()), metrics["n"])
             for name in LOGGED:
                 value = metrics.get(name)
                 if isinstance(value, dict):

@@ -14,6 +14,7 @@ import torch
 from actors.trajectory import Trajectory
 from rewards.registry import register_reward
 from rewards.text_similarity import bleu1, rouge1, score_against_gold
+from tasks.extras import require
 
 def _device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -50,7 +51,7 @@ class BertScoreF1:
 
     def __init__(self, model_dir: str, num_layers: int | None = None, baseline_path: str | None = None,
                  batch_size: int = 64, device: str | None = None):
-        from bert_score import BERTScorer
+        BERTScorer = require("bert_score", "judge").BERTScorer
         from transformers import AutoConfig
         layers = num_layers or AutoConfig.from_pretrained(model_dir).num_hidden_layers
         self.scorer = BERTScorer(model_type=model_dir, num_layers=layers, batch_size=batch_size,

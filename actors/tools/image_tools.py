@@ -6,6 +6,7 @@ from PIL import Image
 
 from actors.tools.base import (EnhanceArgs, FindRegionsArgs, ImageTool, ToolCall, ToolResult, ZoomInArgs, intensity,
                                register_tool, where)
+from tasks.extras import require
 
 
 @register_tool
@@ -29,6 +30,7 @@ class ZoomIn(ImageTool):
 def enhance_pixels(pixels: np.ndarray, method: str) -> np.ndarray:
     """uint8 pixels enhanced with scikit-image: CLAHE (contrast-limited adaptive histogram equalisation, on the value
     channel for colour), total-variation denoising (Chambolle), or gamma 0.6 brightening."""
+    require("skimage", "vision")
     from skimage import exposure, restoration, util
 
     image = util.img_as_float(pixels)

@@ -6,6 +6,7 @@ import io
 import os
 from pathlib import Path
 
+from tasks.extras import require
 from tasks.loaders.common import _BadRow, _Context, LoadResult, RowError, Rows, _run
 from tasks.loaders.mcq import _map_medxpertqa, _map_omnimedvqa, _map_pmc_vqa
 from tasks.loaders.vqa import _map_path_vqa, _map_slake, _map_vqa_rad
@@ -39,10 +40,7 @@ def load_hf_saved(path, benchmark: str, *, split: str | None = None, image_root=
     ``options`` go to the row mapper (``languages`` for slake, ``split`` for vqa_rad is the dataset split here)."""
     if benchmark not in MAPPERS:
         raise ValueError(f"unknown benchmark {benchmark!r}; choose from {sorted(MAPPERS)}")
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError("load_hf_saved needs the `datasets` package (pip install datasets)") from None
+    datasets = require("datasets", "medical")
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{benchmark}: {path} does not exist")
