@@ -24,9 +24,10 @@ from tasks.extras import require
 #: (reward/<component>, eval/<split>/<metric>, judge/*, nci/*, actor_restarts/*, metric/*).
 GROUPS = {
     "actor": ("loss", "sft_loss", "sft_tokens", "kl", "entropy", "clip_fraction", "grad_norm", "lr",
-              "fidelity_max_abs_diff"),
+              "optimizer_steps", "fidelity_max_abs_diff"),
     "rollout": ("response_length", "truncated_fraction", "tokens_per_s", "env_calls", "env_errors",
-                "env_calls_per_episode", "env_idle_fraction", "branch_events", "branch_budget"),
+                "env_calls_per_episode", "env_idle_fraction", "branch_events", "branch_budget", "groups_filtered",
+                "groups_padded", "extra_generation_rounds"),
     "weights": ("weight_version", "batch_weight_version", "version_lag", "sync_retries"),
     "progress": ("stage",),
 }
