@@ -104,7 +104,7 @@ def test_a_missing_extra_names_itself():
     assert "pip install 'medray[judge]'" in bertscore.stderr, bertscore.stderr[-2000:]
     enhance = without(("skimage",), """
         import numpy as np
-        from actors.tools import enhance_pixels
+        from actors.tools.image_tools import enhance_pixels
         enhance_pixels(np.zeros((8, 8, 3), dtype="uint8"), "clahe")
     """)
     assert "pip install 'medray[vision]'" in enhance.stderr, enhance.stderr[-2000:]
