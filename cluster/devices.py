@@ -49,3 +49,11 @@ def fast_bfloat16(device: str) -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_compute_dtype(requested: str, device: str) -> str:
+    """The dtype a learner computes in: `requested`, or for "auto" bfloat16 where `device` multiplies it natively
+    (fast_bfloat16) and float32 elsewhere."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if fast_bfloat16(device) else "float32"

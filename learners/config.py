@@ -87,10 +87,11 @@ class LearnerConfig(Strict):
     mini_batch_size: int | None = Field(None, ge=1, description="sequences (all ranks) per optimizer step of GRPO; "
                                                                  "null: one step per rollout batch")
     gradient_checkpointing: bool = False
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
+    compute_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="dtype of the learner's forward and backward (torch.autocast); weights, gradients and "
                                "optimizer state stay in model.dtype. bfloat16 pays off on GPUs and on CPUs with "
-                               "AVX512-BF16 or AMX; without them its matmuls are emulated and far slower")
+                               "AVX512-BF16 or AMX; without them its matmuls are emulated and far slower. auto: "
+                               "bfloat16 where the learner's device multiplies it natively, else float32")
 
 
 class RetrievalSection(Strict):
@@ -263,11 +264,13 @@ class RunConfig(Strict):
     def dump(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
 
-    def fidelity_tolerance(self) -> float:
+    def fidelity_tolerance(self, compute_dtype: str | None = None) -> float:
         """rollout.fidelity_tolerance, or by default the one for the coarser of model.dtype and the learner's
-        compute dtype."""
+        compute dtype (`compute_dtype`: the one the learners resolved "auto" to; unresolved, auto counts as
+        bfloat16)."""
+        computed = compute_dtype or self.learner.compute_dtype
         return self.rollout.fidelity_tolerance or max(FIDELITY_TOLERANCE[self.model.dtype],
-                                                      FIDELITY_TOLERANCE[self.learner.compute_dtype])
+                                                      FIDELITY_TOLERANCE.get(computed, FIDELITY_TOLERANCE["bfloat16"]))
 
     def stage_plan(self) -> list[StageConfig]:
         """The run's stages; a config without any is one GRPO stage of total_steps."""

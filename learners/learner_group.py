@@ -12,7 +12,7 @@ import torch
 
 from actors.environment import ImageTokens
 from actors.trajectory import Trajectory
-from cluster.devices import accelerator, fast_bfloat16, init_deepspeed_distributed, pin_threads
+from cluster.devices import accelerator, fast_bfloat16, init_deepspeed_distributed, pin_threads, resolve_compute_dtype
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import algorithm as algo
 
@@ -127,7 +127,7 @@ class LearnerWorker:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def setup(self, master: tuple[str, int], model_path: str, cfg: dict, total_updates: int,
-              with_reference: bool) -> int:
+              with_reference: bool) -> str:
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK="0",
                           DS_ACCELERATOR="cuda" if self.device == "cuda" else "cpu")
@@ -137,7 +137,7 @@ class LearnerWorker:
         self.cfg = cfg
         learner, model_cfg = cfg["learner"], cfg["model"]
         dtype = getattr(torch, model_cfg["dtype"])
-        self.compute_dtype = getattr(torch, learner["compute_dtype"])
+        self.compute_dtype = getattr(torch, resolve_compute_dtype(learner["compute_dtype"], self.device))
         if self.compute_dtype == torch.bfloat16 and not fast_bfloat16(self.device):
             log.warning("learner.compute_dtype=bfloat16 on a %s without native bfloat16 (no AVX512-BF16/AMX): its "
                         "matmuls are emulated and far slower than float32", self.device)
@@ -169,7 +169,7 @@ class LearnerWorker:
             self.reference = load_causal_lm(model_path, dtype).to(self.device).eval().requires_grad_(False)
         self.pad_id = self.engine.module.config.get_text_config().pad_token_id or 0
         self.vision = ImageTokens.for_model(model_path)  # the image processor the rollout engines use, or None
-        return self.rank
+        return str(self.compute_dtype).removeprefix("torch.")
 
     def train(self, trajectory_refs: list, advantages: list[float] | None, algorithm: dict, objective: str,
               temperature: float, lr: float, mini_batch_size: int | None = None) -> dict:
@@ -366,8 +366,9 @@ class LearnerGroup:
         total_updates = sum(stage.steps * optimizer_steps_per_batch(stage_cfg) if stage.kind == "grpo" else stage.steps
                             for stage, stage_cfg in stages)
         with_reference = any(stage.kind == "grpo" and stage_cfg.algorithm.kl_beta > 0 for stage, stage_cfg in stages)
-        self._all([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference) for r in self.ranks],
-                  "setup")
+        # the dtype the ranks compute in ("auto" resolved on their device), which the fidelity check's tolerance follows
+        self.compute_dtype = self._all([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference)
+                                        for r in self.ranks], "setup")[0]
         if resume_from is not None:
             self._all([r.load.remote(str(resume_from)) for r in self.ranks], "resume")
 
