@@ -264,13 +264,10 @@ class RunConfig(Strict):
     def dump(self) -> dict:
         return self.model_dump(mode="json", by_alias=True)
 
-    def fidelity_tolerance(self, compute_dtype: str | None = None) -> float:
-        """rollout.fidelity_tolerance, or by default the one for the coarser of model.dtype and the learner's
-        compute dtype (`compute_dtype`: the one the learners resolved "auto" to; unresolved, auto counts as
-        bfloat16)."""
-        computed = compute_dtype or self.learner.compute_dtype
-        return self.rollout.fidelity_tolerance or max(FIDELITY_TOLERANCE[self.model.dtype],
-                                                      FIDELITY_TOLERANCE.get(computed, FIDELITY_TOLERANCE["bfloat16"]))
+    def fidelity_tolerance(self) -> float:
+        """rollout.fidelity_tolerance, or by default the one for model.dtype (the check's learner side runs in the
+        weights' dtype, whatever learner.compute_dtype is)."""
+        return self.rollout.fidelity_tolerance or FIDELITY_TOLERANCE[self.model.dtype]
 
     def stage_plan(self) -> list[StageConfig]:
         """The run's stages; a config without any is one GRPO stage of total_steps."""

@@ -289,16 +289,16 @@ class LearnerWorker:
         return time.perf_counter() - start
 
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
-        """log p(token_t | tokens_<t) at temperature 1 under the current weights, for t >= 1. `images[i]`: the
-        images of sequence i (a trajectory's `images`)."""
+        """log p(token_t | tokens_<t) at temperature 1 under the current weights, for t >= 1, computed in the
+        weights' dtype (no autocast: the fidelity check compares weights, not the learner's compute rounding).
+        `images[i]`: the images of sequence i (a trajectory's `images`)."""
         self.engine.eval()
         out = []
         with torch.no_grad():
             for seq, seq_images in zip(sequences, images or [[]] * len(sequences)):
                 ids = torch.tensor([seq], device=self.device)
                 pixels = {k: v.to(self.device) for k, v in image_inputs(ids, seq_images, self.vision).items()}
-                with autocast(self.device, self.compute_dtype):
-                    logits = self.engine.module(input_ids=ids, **pixels).logits[:, :-1].float()
+                logits = self.engine.module(input_ids=ids, **pixels).logits[:, :-1].float()
                 out.append(algo.token_logprobs(logits, ids[:, 1:]).squeeze(0).tolist())
         return out
 
@@ -366,9 +366,10 @@ class LearnerGroup:
         total_updates = sum(stage.steps * optimizer_steps_per_batch(stage_cfg) if stage.kind == "grpo" else stage.steps
                             for stage, stage_cfg in stages)
         with_reference = any(stage.kind == "grpo" and stage_cfg.algorithm.kl_beta > 0 for stage, stage_cfg in stages)
-        # the dtype the ranks compute in ("auto" resolved on their device), which the fidelity check's tolerance follows
         self.compute_dtype = self._all([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference)
                                         for r in self.ranks], "setup")[0]
+        log.info("learner ranks compute in %s (learner.compute_dtype=%s)", self.compute_dtype,
+                 cfg.learner.compute_dtype)
         if resume_from is not None:
             self._all([r.load.remote(str(resume_from)) for r in self.ranks], "resume")
 

@@ -343,11 +343,10 @@ class Trainer:
             self.judge_counts = judged
         if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
             record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
-            tolerance = cfg.fidelity_tolerance(self.learners.compute_dtype)
-            if record["fidelity_max_abs_diff"] > tolerance:
+            if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():
                 raise RuntimeError(f"rollout and learner log-probabilities differ by "
                                    f"{record['fidelity_max_abs_diff']:.2e} after the sync of step {self.step} "
-                                   f"(rollout.fidelity_tolerance {tolerance:g})")
+                                   f"(rollout.fidelity_tolerance {cfg.fidelity_tolerance():g})")
         return record
 
     def run_sft(self, end: int, bar) -> list[dict]:

@@ -150,17 +150,12 @@ def test_learner_forward_in_bfloat16_autocast_keeps_float32_weights_and_logprobs
 
 def test_auto_compute_dtype_is_bfloat16_only_where_the_device_multiplies_it_natively():
     """learner.compute_dtype=auto (the quickstart's): bfloat16 on a CPU with AVX512-BF16/AMX or a bf16 GPU, float32 on
-    an AVX2-only CPU, where emulated bfloat16 would be tens of times slower; the fidelity tolerance follows it."""
+    an AVX2-only CPU, where emulated bfloat16 would be tens of times slower."""
     from cluster.devices import fast_bfloat16, resolve_compute_dtype
-    from learners.config import load_config
-
     native = fast_bfloat16("cpu")
     assert resolve_compute_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
     assert resolve_compute_dtype("float32", "cpu") == "float32"
     assert resolve_compute_dtype("bfloat16", "cpu") == "bfloat16"
-    cfg = load_config("configs/tiny.yaml", ["learner.compute_dtype=auto"])
-    assert cfg.fidelity_tolerance("float32") == 1e-3
-    assert cfg.fidelity_tolerance("bfloat16") == cfg.fidelity_tolerance() == 2.0  # unresolved auto: the coarser
 
 
 def test_dr_grpo_constant_normaliser():
