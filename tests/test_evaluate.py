@@ -74,7 +74,8 @@ def test_evaluate_a_checkpoint_through_rollout_workers(ray_session, tiny_model_p
     assert metrics["n"] == 8 and metrics["accuracy"]["n"] == 8
     assert 0 <= metrics["accuracy"]["low"] <= metrics["accuracy"]["mean"] <= metrics["accuracy"]["high"] <= 1
     assert len((report / "samples.jsonl").read_text().splitlines()) == 8
-    assert sorted(p.name for p in (checkpoints / "step_2").iterdir()) == sorted(p.name for p in tiny_model_path.iterdir())
+    # nothing was written into the checkpoint
+    assert {p.name for p in (checkpoints / "step_2").iterdir()} == {p.name for p in tiny_model_path.iterdir()}
     shutil.rmtree(checkpoints / "step_2")  # what checkpoint.keep_last does to an old step
     assert json.loads((report / "eval.json").read_text()) == metrics
 
