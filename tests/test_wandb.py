@@ -2,6 +2,7 @@
 (the grouped names, each at its step; the run's name, project and config; one W&B run across a resume)."""
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -10,23 +11,24 @@ import yaml
 from learners.config import LoggingConfig
 from learners.metrics import MetricsLogger
 
-pytest.importorskip("wandb", reason="the wandb extra")
-
 
 def wandb_records(run_dir: Path) -> list:
     """The protobuf Records of an offline W&B run's transaction log (run-<id>.wandb): a 7-byte header (':W&B', magic,
-    version), then LevelDB log blocks of 32 KiB whose chunks (crc32, length, type, data) join into records."""
+    version), then LevelDB log blocks of 32 KiB whose chunks (crc32, length, type, data) join into records. Only the
+    complete records of a log still being written."""
     from wandb.proto.wandb_internal_pb2 import Record
 
     (log,) = run_dir.glob("run-*.wandb")
     data, block = log.read_bytes(), 32768
-    assert data[:4] == b":W&B", f"{log} is not a W&B transaction log"
+    assert data[:4] == b":W&B"[:len(data)], f"{log} is not a W&B transaction log"
     records, pending, pos = [], b"", 7
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
             pos += block - pos % block
             continue
         length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        if pos + 7 + length > len(data):  # a chunk still being written
+            break
         pending += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a FULL chunk, or the LAST of a record's chunks
@@ -49,8 +51,16 @@ def run_record(run_dir: Path):
     return next(r.run for r in wandb_records(run_dir) if r.WhichOneof("record_type") == "run")
 
 
-def offline_runs(out: Path) -> list[Path]:
-    return sorted((out / "wandb").glob("offline-run-*"))
+def offline_runs(out: Path, timeout_s: float = 60.0) -> list[Path]:
+    """The offline run directories under `out`/wandb, oldest first, once each log ends with the run's exit record:
+    wandb.finish() returns before the wandb-core service has written it all (it has by the time the process exits)."""
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    deadline = time.monotonic() + timeout_s
+    for run_dir in runs:
+        while not (records := wandb_records(run_dir)) or records[-1].WhichOneof("record_type") != "exit":
+            assert time.monotonic() < deadline, f"{run_dir}: W&B did not finish writing the run"
+            time.sleep(0.5)
+    return runs
 
 
 STEPS = [{"step": 1, "reward_mean": 0.25, "accuracy": 0.125, "reward/format": 0.5, "kl": 0.001, "train_s": 2.5,
