@@ -43,10 +43,9 @@ def wait_for(what: str, check, process: subprocess.Popen, console: Path, timeout
     pytest.fail(f"{what}: not seen (run {'ended' if process.poll() is not None else 'still running'})\n{tail}")
 
 
-@pytest.fixture(scope="module")
-def live_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dashboard") / "run"
-    console = out.parent / "console.log"
+@pytest.fixture
+def live_run(tmp_path):
+    out, console = tmp_path / "run", tmp_path / "console.log"
     token = secrets.token_hex(32)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}
     env.pop("RAY_ADDRESS", None)
@@ -63,9 +62,13 @@ def live_run(tmp_path_factory):
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30) as dashboard:
             yield {"process": process, "out": out, "console": console, "url": url, "dashboard": dashboard}
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        if process.poll() is None:  # the test failed before it ended the run
+            process.terminate()
+            try:
+                process.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
 
 
 def state(dashboard: httpx.Client, resource: str) -> list[dict]:
