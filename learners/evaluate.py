@@ -6,8 +6,10 @@
 
 The config supplies the grammar (retrieval, turn limits), resources and sampling length; decoding is greedy.
 Multiple choice: accuracy with a 95% Wilson interval. Closed (yes/no) questions: exact-match `closed_accuracy`, also
-with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval. Both: format rate, response length, environment calls and errors per sample. Writes
-`eval.json` and `eval.md` into --out (default: <checkpoint>/eval).
+with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval. Both:
+format rate, response length, environment calls and errors per sample. Writes `eval.json`, `eval.md` and
+`samples.jsonl` into --out (default: <run>/eval/checkpoints/<checkpoint>/<split>/ next to the run's checkpoints/,
+never inside a checkpoint, which `checkpoint.keep_last` deletes in time).
 
 `--cdir` adds Med-RwR's test-time image re-retrieval (actors/cdir.py) over an image index (`--image-index`, built by
 `python -m actors.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -216,6 +219,22 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
     return metrics
 
 
+def split_dir_name(split: str) -> str:
+    """A split as a directory name: hpo:mcq_test -> hpo_mcq_test; a file path -> its stem."""
+    name = Path(split).stem if split.endswith(".jsonl") else split
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
+
+
+def default_out(cfg, checkpoint: str, data: str) -> Path:
+    """Where `python -m learners.evaluate` writes without --out: <run>/eval/checkpoints/<checkpoint>/<split>/, <run>
+    being the run whose checkpoints/ holds the checkpoint (`latest` resolved to its step), else the config's
+    output_dir. Never inside the checkpoint: `checkpoint.keep_last` deletes old ones. The run's own evaluations are
+    eval/step_<N>/, which this path does not touch."""
+    path = Path(checkpoint).resolve()
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else Path(cfg.output_dir)
+    return run_dir / "eval" / "checkpoints" / path.name / split_dir_name(data)
+
+
 def write_report(out: Path, metrics: dict, title: str, header: dict) -> None:
     """eval.json (`header`, then the metrics) and eval.md into `out`."""
     out.mkdir(parents=True, exist_ok=True)
@@ -229,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", required=True, help="a Hugging Face model directory")
     parser.add_argument("--data", required=True, help="JSONL of task records or hpo:<split>")
     parser.add_argument("--limit", type=int, default=None)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="report directory (default: <run>/eval/checkpoints/<checkpoint>/"
+                                                    "<split>/, outside the checkpoint)")
     parser.add_argument("--cdir", action="store_true", help="Med-RwR confidence-driven image re-retrieval")
     parser.add_argument("--image-index", default=None, help="image index dir (python -m actors.image_index); "
                                                             "default: the imaging world's, built on first use")
@@ -239,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.image_index or args.cdir_threshold != 0.8) and not args.cdir:
         parser.error("--image-index and --cdir-threshold need --cdir")
     cfg = load_config(args.config, args.overrides)
-    out = Path(args.out or Path(args.checkpoint).resolve() / "eval")
+    out = Path(args.out) if args.out else default_out(cfg, args.checkpoint, args.data)
     out.mkdir(parents=True, exist_ok=True)
     metrics = evaluate(cfg, args.checkpoint, args.data, args.limit, cdir=args.cdir, image_index=args.image_index,
                        cdir_threshold=args.cdir_threshold, samples=out / "samples.jsonl")

@@ -8,24 +8,17 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 
 from learners.config import RunConfig
 from learners.data import load_tasks
-from learners.evaluate import (eval_grammar, greedy_sampling, run_episodes, score, text_only_view, write_report,
-                               write_samples)
+from learners.evaluate import (eval_grammar, greedy_sampling, run_episodes, score, split_dir_name, text_only_view,
+                               write_report, write_samples)
 
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
 LOGGED = ("accuracy", "format_rate", "gold_retrieved", "env_calls_per_sample", "response_length")
 
 log = logging.getLogger("medray.eval")
-
-
-def split_dir_name(split: str) -> str:
-    """A split as a directory name: hpo:mcq_test -> hpo_mcq_test; a file path -> its stem."""
-    name = Path(split).stem if split.endswith(".jsonl") else split
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
 
 class Validator:

@@ -47,14 +47,57 @@ def test_open_ended_metrics_equal_the_libraries():
     assert 0 < metrics["cos_sim"]["mean"] <= 1 and 0 < metrics["bertscore"]["mean"] <= 1
 
 
+def a_run_with_checkpoints(root, model_path, steps):
+    """A run's checkpoints/ as training leaves it: step_<N> directories and `latest` pointing at the newest."""
+    import os
+    import shutil
+    checkpoints = root / "run" / "checkpoints"
+    for step in steps:
+        shutil.copytree(model_path, checkpoints / f"step_{step}")
+    os.symlink(f"step_{steps[-1]}", checkpoints / "latest")
+    return checkpoints
+
+
 @pytest.mark.slow
-def test_evaluate_a_checkpoint_through_rollout_workers(ray_session, tiny_model_path):
-    from learners.config import load_config
-    from learners.evaluate import evaluate
-    cfg = load_config("configs/tiny.yaml", ["output_dir=unused"])
-    metrics = evaluate(cfg, str(tiny_model_path), "hpo:mcq_test", limit=8)
+def test_evaluate_a_checkpoint_through_rollout_workers(ray_session, tiny_model_path, tmp_path):
+    """`python -m learners.evaluate` on checkpoints/latest: the report lands beside the run's checkpoints, named by
+    the step, and outlives the checkpoint when rotation deletes it."""
+    import json
+    import shutil
+
+    from learners.evaluate import main
+    checkpoints = a_run_with_checkpoints(tmp_path, tiny_model_path, [2])
+    assert main(["--config", "configs/tiny.yaml", "--checkpoint", str(checkpoints / "latest"), "--data",
+                 "hpo:mcq_test", "--limit", "8"]) == 0
+    report = tmp_path / "run" / "eval" / "checkpoints" / "step_2" / "hpo_mcq_test"
+    metrics = json.loads((report / "eval.json").read_text())
     assert metrics["n"] == 8 and metrics["accuracy"]["n"] == 8
     assert 0 <= metrics["accuracy"]["low"] <= metrics["accuracy"]["mean"] <= metrics["accuracy"]["high"] <= 1
+    assert len((report / "samples.jsonl").read_text().splitlines()) == 8
+    # nothing was written into the checkpoint
+    assert {p.name for p in (checkpoints / "step_2").iterdir()} == {p.name for p in tiny_model_path.iterdir()}
+    shutil.rmtree(checkpoints / "step_2")  # what checkpoint.keep_last does to an old step
+    assert json.loads((report / "eval.json").read_text()) == metrics
+
+
+def test_a_checkpoints_evaluation_is_written_outside_it(tmp_path, tiny_model_path):
+    from learners.config import load_config
+    from learners.evaluate import default_out
+    from learners.validation import evaluated_steps
+
+    cfg = load_config("configs/tiny.yaml", [f"output_dir={tmp_path / 'elsewhere'}"])
+    checkpoints = a_run_with_checkpoints(tmp_path, tiny_model_path, [10, 20])
+    run = tmp_path / "run"
+    assert default_out(cfg, str(checkpoints / "latest"), "hpo:mcq_test") == \
+        run / "eval" / "checkpoints" / "step_20" / "hpo_mcq_test"
+    assert default_out(cfg, str(checkpoints / "step_10"), "cases/held_out.jsonl") == \
+        run / "eval" / "checkpoints" / "step_10" / "held_out"
+    # a model directory outside any run: under the config's output_dir
+    assert default_out(cfg, str(tiny_model_path), "hpo:mcq_test") == \
+        tmp_path / "elsewhere" / "eval" / "checkpoints" / tiny_model_path.name / "hpo_mcq_test"
+    # and never where the run's own evaluations (and its closing report) look
+    default_out(cfg, str(checkpoints / "latest"), "hpo:mcq_test").mkdir(parents=True)
+    assert evaluated_steps(run) == []
 
 
 def test_evaluations_inside_a_run_are_due_at_every_n_and_at_the_end(tmp_path, tiny_model_path):

@@ -23,7 +23,7 @@ def run(output_dir, *overrides):
 @pytest.fixture(scope="module")
 def three_steps(ray_session, tiny_model_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
-    return out, run(out)
+    return out, run(out, "logging.wandb.mode=offline")
 
 
 def test_run_writes_metrics_checkpoints_and_stays_faithful(three_steps, tiny_model_path):
@@ -50,6 +50,19 @@ def test_run_writes_metrics_checkpoints_and_stays_faithful(three_steps, tiny_mod
     assert any(not trained[k].equal(v) for k, v in initial.items()), "training did not change the weights"
     assert load_config(out / "config.yaml").output_dir == str(out)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_the_run_reaches_wandb_with_grouped_names(three_steps):
+    from test_wandb import history, offline_runs  # the reader of W&B's offline run directory
+    out, metrics = three_steps
+    (run_dir,) = offline_runs(out)
+    logged = history(run_dir)
+    assert sorted(logged) == [1, 2, 3]
+    for m in metrics:
+        row = logged[m["step"]]
+        for flat, grouped in (("reward_mean", "reward/mean"), ("accuracy", "reward/accuracy"), ("kl", "actor/kl"),
+                              ("train_s", "timing/train_s"), ("version_lag", "weights/version_lag")):
+            assert row[grouped] == pytest.approx(m[flat]), (m["step"], grouped)
 
 
 def test_resume_continues_exactly(three_steps, tmp_path):
