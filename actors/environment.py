@@ -21,7 +21,7 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.branching import topk_entropy
+from actors.entropy import topk_entropy
 from actors.trajectory import Trajectory
 
 
@@ -69,8 +69,8 @@ class Episode:
     finish_reason: str = ""
     images: list[np.ndarray] = field(default_factory=list)   # RGB uint8 arrays of every image in the ids, in order
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # their (t, h, w) patch grids
-    entropies: list[float] = field(default_factory=list)     # per response token (0 on the environment's), for EVR
-    branch: dict | None = None                                # EVR: {"of": base rollout, "at": token} for a fork
+    entropies: list[float] = field(default_factory=list)     # per response token (0 on the environment's), if recorded
+    branch: dict | None = None                                # a fork: {"of": base rollout, "at": token}
 
     def extend(self, ids: list[int], logprobs: list[float], by_policy: bool,
                entropies: list[float] | None = None) -> None:
@@ -81,7 +81,7 @@ class Episode:
 
     def fork(self, position: int, seed: int, images: int) -> Episode:
         """A copy of this episode's first `position` response tokens, with the turns and the first `images` images
-        that lie before them, that samples on from there with `seed`: an EVR branch."""
+        that lie before them, that samples on from there with `seed`: a branch."""
         mask = self.loss_mask[:position]
         turns = sum(1 for i in range(1, len(mask)) if mask[i - 1] == 0 and mask[i] == 1)  # observations passed
         return Episode(task=self.task, group=self.group, seed=seed, prompt_ids=self.prompt_ids,
@@ -186,6 +186,7 @@ class Environment:
     the error that replaced it, into the observation.
     """
     timeout_s: float = 60.0
+    role: str = "environment"  # its actors' role in the metrics (actor_restarts/<role>)
 
     def call(self, episodes: list[Episode], actions: list[str]) -> list:
         raise NotImplementedError
@@ -224,6 +225,7 @@ class RetrievalEnvironment(Environment):
     """Queries go to a :class:`~actors.retriever.Retriever` actor (or a ShardedRetriever) in one batched call;
     each turn records the query and the retrieved chunks (ids and text). `show` and `link_options` shape the
     observation (:func:`retrieval_text`)."""
+    role = "retriever"
 
     def __init__(self, retriever, top_k: int, timeout_s: float = 60.0, show: str = "passages",
                  link_options: bool = False):
@@ -257,7 +259,7 @@ class EpisodeRunner:
             raise ValueError(f"grammar action tag <{grammar.action_tag}> needs an environment (retriever or tools)")
         self.engine, self.tokenizer, self.grammar, self.environment = engine, tokenizer, grammar, environment
         self.vision = vision
-        self.top_logprobs = 0  # > 0: record each policy token's entropy from this many log-probabilities (EVR)
+        self.top_logprobs = 0  # > 0: record each policy token's entropy from this many log-probabilities
         self._next_id = 0
 
     def run(self, episodes: list[Episode], sampling: dict) -> dict:

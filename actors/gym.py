@@ -134,6 +134,7 @@ def tool_observation(call: PlannedCall, result: ToolResult | None, error: str | 
 class ToolEnvironment(Environment):
     """Tool calls of a batch of episodes -> one batched call per tool actor (see the module doc). Holds only actor
     handles and settings, so it travels to rollout workers."""
+    role = "tool"
 
     def __init__(self, tool_actors: dict[str, list], allowed: list[str], max_tool_calls: int = 6,
                  timeout_s: float = 60.0, observe_images: bool = True):

@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import time
 
 import ray
 
-from actors.branching import EVRConfig, argument_spans, plan_forks
 from actors.environment import (Environment, Episode, EpisodeRunner, Grammar, ImageTokens, derive_seed, rgb_array,
                                 to_trajectory)
+from actors.hooks import RolloutBatch, RolloutHook
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
 from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights
@@ -130,16 +129,14 @@ class RolloutWorker:
         return results
 
     def rollout(self, tasks: list[dict], groups: list[int], group_size: int, sampling: dict,
-                seed: int, grammar: dict | None = None, answer_logprobs: bool = False,
-                evr: dict | None = None) -> tuple[list[Trajectory], dict]:
+                seed: int, grammar: dict | None = None,
+                hooks: list[RolloutHook] = ()) -> tuple[list[Trajectory], dict]:
         """`group_size` episodes of each task, single- or multi-turn as the grammar says (`grammar`: this stage's,
         when it differs from the one the worker started with). Sample j of group g uses seed hash(seed, g, j), so a
-        step's samples are reproducible whatever the worker count. `answer_logprobs`: also read the gold answer's
-        log-probability after `<answer>` with and without the retrieved text (Med-RwR's confidence gain). `evr`:
-        MedVR's entropy-guided branching (actors/branching.py) spends half of each group."""
+        step's samples are reproducible whatever the worker count. `hooks`: the recipe's rollout hooks
+        (actors/hooks.py); the numbers they return are summed into the summary's `hook_stats`."""
         if grammar is not None and Grammar.model_validate(grammar) != self.runner.grammar:
             self.runner.grammar = Grammar.model_validate(grammar)
-        evr = EVRConfig.model_validate(evr or {})
         prompts = [task_prompt(task, self.tokenizer, self.vision) for task in tasks]
 
         def episode(i: int, j: int) -> Episode:
@@ -147,67 +144,30 @@ class RolloutWorker:
             return Episode(task=tasks[i], group=groups[i], seed=derive_seed(seed, groups[i], j), prompt_ids=ids,
                            images=list(images), image_grids=list(grids))
 
-        base = group_size - group_size // 2 if evr.enabled else group_size
+        base = min((h.base_samples(group_size) for h in hooks), default=group_size)
         by_group = [[episode(i, j) for j in range(base)] for i in range(len(tasks))]
-        self.runner.top_logprobs = evr.top_logprobs if evr.enabled else 0
+        self.runner.top_logprobs = max((h.top_logprobs for h in hooks), default=0)
         stats = self.runner.run([ep for group in by_group for ep in group], sampling)
-        if evr.enabled:
-            stats = self._branch(by_group, [len(images) for _, images, _ in prompts], group_size - base, evr,
-                                 sampling, seed, episode, stats)
-        episodes = [ep for group in by_group for ep in group]
-        trajectories = [to_trajectory(ep, self.tokenizer, self.version) for ep in episodes]
-        if answer_logprobs:
-            self._add_answer_logprobs(trajectories)
+        batch = RolloutBatch(by_group, [len(images) for _, images, _ in prompts], group_size, seed, episode)
+        hook_stats, extra = {}, []
+        for hook in hooks:
+            added, numbers = hook.extend(self, batch)
+            extra += added
+            hook_stats.update(numbers)
+        if extra:
+            second = self.runner.run(extra, sampling)
+            stats = {k: stats[k] + second[k] for k in stats}
+        if any(len(group) != group_size for group in by_group):
+            raise RuntimeError(f"rollout hooks {[type(h).__name__ for h in hooks]} left groups of "
+                               f"{sorted({len(g) for g in by_group})} samples, not group_size {group_size}")
+        trajectories = [to_trajectory(ep, self.tokenizer, self.version) for group in by_group for ep in group]
+        for hook in hooks:
+            hook_stats.update(hook.finish(self, trajectories))
         summary = {**stats, "lengths": [len(t.response_ids) for t in trajectories],
                    "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
-                   "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version}
+                   "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version,
+                   "hook_stats": hook_stats}
         return trajectories, summary
-
-    def _branch(self, by_group: list[list[Episode]], prompt_images: list[int], budget: int, evr: EVRConfig,
-                sampling: dict, seed: int, episode, stats: dict) -> dict:
-        """EVR's second phase: per group, forks planned from the base rollouts' tool-argument entropies, then
-        independent samples for the budget left; both run together. Groups are extended in place (base rollouts
-        first, then forks, then the independent ones)."""
-        g = self.runner.grammar
-        open_id, close_id = (self.tokenizer.convert_tokens_to_ids(t) for t in (f"<{g.action_tag}>", g.action_close))
-        extra, forks = [], 0
-        for i, group in enumerate(by_group):
-            rng = random.Random(derive_seed(seed, group[0].group, "evr"))
-            spans = [argument_spans(ep.response_ids, ep.loss_mask, open_id, close_id, self.tokenizer.decode)
-                     for ep in group]
-            planned = plan_forks([ep.entropies for ep in group], spans, budget, evr, rng)
-            for k, fork in enumerate(planned):
-                origin = group[fork.episode]  # it keeps its prompt's images and those observed before the fork
-                shown = prompt_images[i] + (origin.response_ids[:fork.position].count(self.vision.start_id)
-                                            if self.vision else 0)
-                branch = origin.fork(fork.position, derive_seed(seed, group[0].group, "fork", k), shown)
-                branch.branch = {"of": fork.episode, "at": fork.position, "p": round(fork.probability, 4)}
-                group.append(branch)
-            group += [episode(i, len(group) + k) for k in range(budget - len(planned))]
-            extra += group[len(group) - budget:]
-            forks += len(planned)
-        second = self.runner.run(extra, sampling)
-        return {**{k: stats[k] + second[k] for k in ("env_calls", "env_errors", "idle_s", "seconds")},
-                "branch_events": forks, "branch_budget": budget * len(by_group)}
-
-    def _add_answer_logprobs(self, trajectories: list[Trajectory]) -> None:
-        """Fill `answer_logprobs` of every trajectory that retrieved and answered (see rewards/confidence.py)."""
-        from rewards.confidence import answer_probe_sequences
-
-        answer_open = self.tokenizer.convert_tokens_to_ids(f"<{self.runner.grammar.answer_tag}>")
-        probes, images, owners = [], [], []
-        for t in trajectories:
-            gold = self.tokenizer.encode(str(t.task.get("answer", "")), add_special_tokens=False)
-            pair = answer_probe_sequences(t.prompt_ids, t.response_ids, t.loss_mask, answer_open, gold[0]) \
-                if gold else None
-            if pair:
-                probes += pair
-                images += [t.images, t.images[:len(t.task.get("images") or [])]]
-                owners.append(t)
-        if probes:
-            last = [lps[-1] for lps in self.prompt_logprobs(probes, images)]
-            for i, t in enumerate(owners):
-                t.answer_logprobs = {"with": last[2 * i], "without": last[2 * i + 1]}
 
     def prompt_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         """log p(token_t | tokens_<t) under the engine's current weights, for t >= 1 of each sequence.

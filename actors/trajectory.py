@@ -31,7 +31,7 @@ class Trajectory:
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # (t, h, w) patches per image
     # log p(gold answer token) right after <answer>, with and without the retrieved text (Med-RwR confidence gain)
     answer_logprobs: dict | None = None
-    branch: dict | None = None       # MedVR's EVR: {"of": index of the base rollout in its group, "at": token}
+    branch: dict | None = None       # a fork (rollout hooks): {"of": index of the base rollout in its group, "at": token}
 
     @property
     def num_policy_tokens(self) -> int:

@@ -11,13 +11,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from actors.branching import EVRConfig
 from actors.environment import Grammar
 from actors.gym import ToolsConfig
 from actors.judge import JudgeConfig
 from actors.retrieval_index import IndexConfig
 from actors.retriever import RetrievalConfig
 from cluster.config import ClusterConfig
+from recipes import RecipeSpec, load_recipe
 from tasks.tiny_models import ModelConfig
 
 
@@ -49,7 +49,6 @@ class RolloutConfig(Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     max_model_len: int = 1024
     grammar: Grammar = Grammar()
-    evr: EVRConfig = Field(EVRConfig(), description="MedVR's entropy-guided branching inside tool arguments")
     fidelity_check_every: int = Field(0, ge=0, description="every N steps compare engine and learner logprobs (0: off)")
     fidelity_tolerance: float | None = Field(None, gt=0, description="max |engine - learner| logprob after a sync; "
                                                                       "null: FIDELITY_TOLERANCE[model.dtype]")
@@ -136,23 +135,20 @@ class SFTConfig(Strict):
     data: str = Field(..., description="JSONL of demonstrations {task, segments: [{role: policy|environment, text}]}"
                                        " (python -m learners.expert writes them); 'expert': the scripted expert's "
                                        "demonstrations on data.train, written on first use under output_dir/stages/; "
-                                       "or 'self': the policy's own rollouts on representative questions of "
-                                       "data.train (ARMed's knowledge injection)")
+                                       "or a source the recipe's plugin generates (its demonstration_sources)")
     batch_size: int = Field(32, ge=1, description="demonstrations per optimizer step")
     shuffle: bool = True
-    min_answer_frequency: int = Field(1, ge=0, description="self: tau, answers occurring more often form D_core")
-    clusters: int = Field(64, ge=1, description="self: K-means clusters over D_core = representative questions")
-    samples: int = Field(4, ge=1, description="self: rollouts per representative question")
+    args: dict = Field(default_factory=dict, description="settings of the recipe's demonstration source")
 
 
-#: Sections a stage may change, and single keys of others (MedVistaGym's SFT runs at 10x its RL learning rate); the
+#: Sections a stage may change, and single keys of others (a cold-start SFT stage at 10x the RL learning rate); the
 #: rest (cluster, model, the learner's other keys, retrieval, ...) hold for the whole run.
 STAGE_SECTIONS = ("data", "rollout", "algorithm", "rewards")
 STAGE_KEYS = ("learner.lr",)
 
 
 class StageConfig(Strict):
-    """One stage of a multi-stage run (Med-R3: reasoner, retriever, joint; ARMed: RL, SFT, RL; MedVistaGym: SFT, RL)."""
+    """One stage of a multi-stage run (e.g. RL stages with different rewards, or SFT then RL)."""
     name: str
     kind: Literal["grpo", "sft"] = "grpo"
     steps: int = Field(..., ge=1)
@@ -185,7 +181,7 @@ class EvalConfig(Strict):
     at_start: bool = Field(True, description="evaluate the starting weights before the first step (the base)")
     at_end: bool = Field(True, description="evaluate the final weights; with at_start, eval.md compares the two")
     batch_size: int = Field(64, ge=1, description="tasks per rollout call on one worker")
-    max_turns: int | None = Field(None, ge=0, description="environment calls per episode at evaluation (MedVR: 4 "
+    max_turns: int | None = Field(None, ge=0, description="environment calls per episode at evaluation (e.g. 4 "
                                                           "tool calls at inference); null: the grammar's")
 
 
@@ -216,9 +212,11 @@ class RunConfig(Strict):
     data: DataConfig
     rollout: RolloutConfig = RolloutConfig()
     retrieval: RetrievalSection | None = Field(None, description="needed when rollout.grammar has an action tag")
+    recipe: RecipeSpec | None = Field(None, description="the recipe's plugin (recipes/): its name, or "
+                                                          "{name, module, args}; none: the config alone")
     judge: JudgeConfig | None = Field(None, description="an LLM judge (JudgeActor) for judge-based rewards")
     tools: ToolsConfig | None = Field(None, description="a tool Gym the policy calls through the grammar's action tag "
-                                                        "(MedVR, MedVistaGym); replaces retrieval as the environment")
+                                                        "(actors/gym.py); replaces retrieval as the environment")
     algorithm: AlgorithmConfig = AlgorithmConfig()
     learner: LearnerConfig = LearnerConfig()
     rewards: RewardsConfig
@@ -251,9 +249,12 @@ class RunConfig(Strict):
             if stage.sft and stage.sft.batch_size % ranks:
                 raise ValueError(f"stage {stage.name!r}: sft.batch_size {stage.sft.batch_size} must divide over "
                                  f"{ranks} learner ranks")
-        if self.rollout.evr.enabled and (not self.rollout.grammar.action_tag or self.rollout.group_size < 2):
-            raise ValueError("rollout.evr needs a grammar with an action tag (tool calls to branch in) and "
-                             "group_size >= 2 (half of each group is the base set, half the branching budget)")
+        recipe = load_recipe(self.recipe)
+        for stage in self.stages:
+            if stage.sft and stage.sft.args and stage.sft.data not in recipe.demonstration_sources:
+                raise ValueError(f"stage {stage.name!r}: sft.args set the recipe's demonstration sources "
+                                 f"{list(recipe.demonstration_sources)}, not sft.data {stage.sft.data!r}")
+        recipe.check(self)
         if self.judge is not None and self.cluster.judge.num != 1:
             raise ValueError("cluster.judge.num must be 1: one JudgeActor serves every reward actor (by name)")
         if self.retrieval is not None and self.cluster.retriever.num != self.retrieval.shards:

@@ -21,12 +21,12 @@ from rewards.registry import is_diagnostic
 from tasks.extras import require
 
 #: The trackers' group of each flat name of metrics.jsonl. Names that hold a '/' are grouped already
-#: (reward/<component>, eval/<split>/<metric>, judge/*, nci/*, actor_restarts/*, metric/*).
+#: (reward/<component>, eval/<split>/<metric>, nci/*, actor_restarts/*, metric/*, and a recipe's <recipe>/*).
 GROUPS = {
     "actor": ("loss", "sft_loss", "sft_tokens", "kl", "entropy", "clip_fraction", "grad_norm", "lr",
               "optimizer_steps", "fidelity_max_abs_diff"),
     "rollout": ("response_length", "truncated_fraction", "tokens_per_s", "env_calls", "env_errors",
-                "env_calls_per_episode", "env_idle_fraction", "branch_events", "branch_budget", "groups_filtered",
+                "env_calls_per_episode", "env_idle_fraction", "groups_filtered",
                 "groups_padded", "extra_generation_rounds"),
     "weights": ("weight_version", "batch_weight_version", "version_lag", "sync_retries"),
     "progress": ("stage",),
@@ -133,6 +133,15 @@ def start_wandb(out: Path, cfg: LoggingConfig, resumed: bool):
                       settings=wandb.Settings(silent=not cfg.verbose))
 
 
+def hook_stats(summaries: list[dict]) -> dict[str, float]:
+    """The numbers the recipe's rollout hooks returned (actors/hooks.py), summed over the workers' summaries."""
+    total: dict[str, float] = {}
+    for summary in summaries:
+        for k, v in summary.get("hook_stats", {}).items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,
                  version: int) -> dict:
     """One line of metrics.jsonl: reward and its components, lengths, learner statistics and timings."""
@@ -164,8 +173,7 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
         "env_calls": sum(s["env_calls"] for s in summaries), "env_errors": sum(s["env_errors"] for s in summaries),
         "env_calls_per_episode": sum(s["env_calls"] for s in summaries) / max(len(lengths), 1),
         "env_idle_fraction": sum(s["idle_s"] for s in summaries) / max(sum(s["seconds"] for s in summaries), 1e-9),
-        **({"branch_events": sum(s["branch_events"] for s in summaries),
-            "branch_budget": sum(s["branch_budget"] for s in summaries)} if "branch_events" in summaries[0] else {}),
+        **hook_stats(summaries),
         "kl": train["kl_sum"] / mask_sum, "entropy": train["entropy_sum"] / mask_sum,
         "clip_fraction": train["clip_sum"] / mask_sum, "grad_norm": train["grad_norm"], "lr": train["lr"],
         "loss": train["loss"], "optimizer_steps": train["optimizer_steps"],

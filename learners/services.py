@@ -82,9 +82,7 @@ def start_environment(cfg, placement: Placement) -> Environment | None:
 
 def service_actors(environment: Environment | None, judge) -> dict[str, list]:
     """The service actors by metrics role: the environment's (retrievers, or the Gym's tool actors) and the judge."""
-    from actors.gym import ToolEnvironment
-    roles = {"tool" if isinstance(environment, ToolEnvironment) else "retriever": environment.actors()} \
-        if environment else {}
+    roles = {environment.role: environment.actors()} if environment else {}
     return {**roles, **({"judge": [judge]} if judge else {})}
 
 

@@ -31,7 +31,7 @@ from learners.learner_group import LearnerGroup
 from learners.metrics import MetricsLogger, step_metrics
 from tasks.tiny_models import policy_dir
 from learners.validation import Validator, closing_report, plot_curves
-from rewards.registry import needs_answer_logprobs
+from recipes import load_recipe
 from rewards.reward_actor import RewardActor
 
 log = logging.getLogger("medray.trainer")
@@ -61,6 +61,7 @@ class Trainer:
             raise FileExistsError(f"output_dir {self.out} already holds a run; pass resume=true to continue it, or "
                                   f"choose another output_dir (nothing there was changed)")
         start_or_join(cfg.cluster)
+        self.recipe = load_recipe(cfg.recipe)
         self.step, resume_from = 0, None
         if cfg.resume:
             resume_from = ckpt.latest_valid(self.ckpt_root)
@@ -85,10 +86,9 @@ class Trainer:
         self.stage_index, self.rewarders = None, []
         self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
         self.service_pids: dict = {}
-        self.judge_counts: dict = {}
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
         if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
-            # stateful rewards (ARMed's adaptive thresholds) continue where they were, in their owner
+            # stateful rewards (adaptive thresholds) continue where they were, in their owner
             states = ckpt.read_state(resume_from).get("reward_states", [])
             if states:
                 ray.get(self.rewarders[0].load_state_dict.remote(states[0]))
@@ -120,8 +120,8 @@ class Trainer:
         log.info("stage %d (%s, %s): %d steps", index, self.stage.name, self.stage.kind, self.stage.steps)
         if self.stage.kind == "sft":
             sft = self.stage.sft
-            demos = self.generated_demonstrations(cfg) if sft.data in ("self", "expert") else \
-                read_demonstrations(sft.data)
+            demos = self.generated_demonstrations(cfg) if sft.data == "expert" or \
+                sft.data in self.recipe.demonstration_sources else read_demonstrations(sft.data)
             vision = ImageTokens.for_model(self.base_model)
             self.demonstrations = [demonstration_trajectory(d, self.tokenizer, i, vision) for i, d in enumerate(demos)]
             self.sampler = PromptSampler(len(demos), sft.batch_size, cfg.seed, sft.shuffle)
@@ -129,22 +129,22 @@ class Trainer:
         if previous is None or previous.data != cfg.data or not hasattr(self, "tasks"):
             self.tasks = self._load_tasks(cfg)
         self.sampler = PromptSampler(len(self.tasks), cfg.rollout.prompts_per_step, cfg.seed, cfg.data.shuffle)
+        self.rollout_hooks = self.recipe.rollout_hooks(cfg)
         if previous is None or previous.rewards != cfg.rewards or not self.rewarders:
             for actor in self.rewarders:
                 ray.kill(actor)
             self.reward_pids = {}
-            self.answer_logprobs = needs_answer_logprobs([c.name for c in cfg.rewards.components])
             self.rewarders = [RewardActor.options(**self.placement.options("reward", i, f"RewardActor-{i}")).remote(
                 [s.model_dump() for s in cfg.rewards.components], cfg.rewards.timeout_s, cfg.rewards.on_error,
                 self.cfg.cluster.reward.threads) for i in range(self.cfg.cluster.reward.num)]
             ray.get([r.__ray_ready__.remote() for r in self.rewarders])
-            # RewardActor-0 owns the state of stateful rewards (ARMed's Adapt): it calibrates the whole batch once
+            # RewardActor-0 owns the state of stateful rewards: it calibrates the whole batch once
             self.stateful_rewards = ray.get(self.rewarders[0].stateful.remote())
 
     def generated_demonstrations(self, cfg: RunConfig) -> list[dict]:
         """An SFT stage's generated data, made once and kept under output_dir/stages/<stage>/ so a run resumed inside
         the stage trains on the same data: the scripted expert's episodes on data.train ('expert', the cold start),
-        or ARMed's knowledge-injection data from the current policy ('self')."""
+        or the recipe plugin's demonstrations (a source it names, e.g. made from the current policy's rollouts)."""
         path = self.out / "stages" / self.stage.name / "demonstrations.jsonl"
         if not path.exists() and self.stage.sft.data == "expert":
             from learners.expert import write_demonstrations
@@ -152,9 +152,9 @@ class Trainer:
             log.info("stage %s: %d expert demonstrations from %d tasks (%d without the gold document in view)",
                      self.stage.name, made["demonstrations"], made["tasks"], made["skipped_not_retrieved"])
         elif not path.exists():
-            from learners.knowledge_injection import generate_demonstrations
-            generate_demonstrations(self.workers, self._load_tasks(cfg), self.tokenizer, cfg, self.stage.sft,
-                                    derive_seed(cfg.seed, "inject", self.step), path)
+            self.recipe.write_demonstrations(self.stage.sft.data, workers=self.workers, tasks=self._load_tasks(cfg),
+                                             tokenizer=self.tokenizer, cfg=cfg, sft=self.stage.sft,
+                                             seed=derive_seed(cfg.seed, "inject", self.step), path=path)
         return read_demonstrations(path)
 
     def _load_tasks(self, cfg: RunConfig) -> list[dict]:
@@ -187,7 +187,7 @@ class Trainer:
         step_seed = derive_seed(self.cfg.seed, step, *([refill_round] if refill_round else []))
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
         calls = [([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed,
-                  r.grammar.model_dump(), self.answer_logprobs, r.evr.model_dump()) for groups in chunks]
+                  r.grammar.model_dump(), self.rollout_hooks) for groups in chunks]
         refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(self.workers, calls)]
         return StepRollouts(step, self.version, [t for t, _ in refs], [s for _, s in refs], calls)
 
@@ -330,17 +330,14 @@ class Trainer:
         return train, sync
 
     def health(self, rollouts: StepRollouts) -> dict:
-        """What a GRPO step reports about the machinery around the algorithm: actors restarted, by role; the judge's
-        own counters (parse failures are never silent); and every fidelity_check_every steps the engine-vs-learner
-        log-probability check, which stops the run when it fails."""
+        """What a GRPO step reports about the machinery around the algorithm: actors restarted, by role; the recipe
+        plugin's numbers from the service actors (`step_stats`); and every fidelity_check_every steps the
+        engine-vs-learner log-probability check, which stops the run when it fails."""
         cfg = self.stage_cfg
-        count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)
+        services = service_actors(self.environment, self.judge)
+        count_restarts(services, self.service_pids, self.restarts)
         record = {f"actor_restarts/{role}": n for role, n in self.restarts.items()}
-        if self.judge is not None:
-            judged = ray.get(self.judge.stats.remote())
-            record.update({f"judge/{k}": max(0, judged[k] - self.judge_counts.get(k, 0))  # 0 after a restart
-                           for k in ("calls", "prompts", "retries", "parse_failures")})
-            self.judge_counts = judged
+        record.update(self.recipe.step_stats(services))
         if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
             record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
             if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():

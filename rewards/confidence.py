@@ -9,26 +9,14 @@ the retrieved knowledge did to the policy's confidence in the right option.
 
 Where it is computed: by the rollout engine that sampled the episode, right after the rollout, as prompt
 log-probabilities of those two sequences (one batched prefill on weights that are, by construction, the behaviour
-policy's; a learner forward would need the sequences shipped to the learner and a second pass there). The rollout
-worker stores them in `Trajectory.answer_logprobs`; the reward below only reads them.
+policy's; a learner forward would need the sequences shipped to the learner and a second pass there): the med_rwr
+recipe's rollout hook (recipes/med_rwr.py) stores them in `Trajectory.answer_logprobs` in every stage whose rewards
+include confidence_gain; the reward below only reads them (and scores 0 in a run without that recipe).
 """
 from __future__ import annotations
 
 from actors.trajectory import Trajectory
 from rewards.registry import register_reward
-
-
-def answer_probe_sequences(prompt_ids: list[int], response_ids: list[int], loss_mask: list[int],
-                           answer_open_id: int, gold_id: int) -> tuple[list[int], list[int]] | None:
-    """(with retrieval, without retrieval) token sequences ending in the gold answer token placed right after the
-    policy's last `<answer>`; None when the policy wrote no `<answer>` or the environment inserted nothing."""
-    opens = [i for i, (t, m) in enumerate(zip(response_ids, loss_mask)) if t == answer_open_id and m]
-    if not opens or all(loss_mask):
-        return None
-    upto = opens[-1] + 1
-    with_k = prompt_ids + response_ids[:upto] + [gold_id]
-    without_k = prompt_ids + [t for t, m in zip(response_ids[:upto], loss_mask[:upto]) if m] + [gold_id]
-    return with_k, without_k
 
 
 def confidence_gain_value(answer_logprobs: dict | None) -> float:
@@ -42,7 +30,3 @@ def confidence_gain_value(answer_logprobs: dict | None) -> float:
 def confidence_gain(trajectories: list[Trajectory]) -> dict[str, list[float]]:
     """Med-RwR's sigma_c per trajectory (weight 5 in the paper's total)."""
     return {"confidence_gain": [confidence_gain_value(t.answer_logprobs) for t in trajectories]}
-
-
-#: The rollout workers compute `Trajectory.answer_logprobs` only when a run's rewards read them.
-confidence_gain.needs_answer_logprobs = True

@@ -44,13 +44,6 @@ def make_reward(name: str, args: dict) -> Callable:
     return lambda trajectories: target(trajectories, **args)
 
 
-def needs_answer_logprobs(names: list[str]) -> bool:
-    """Whether any of these rewards reads `Trajectory.answer_logprobs` (the rollout engine then computes them)."""
-    for module in BUILTIN_MODULES:
-        importlib.import_module(module)
-    return any(getattr(REWARDS.get(name), "needs_answer_logprobs", False) for name in names)
-
-
 def is_stateful(reward) -> bool:
     """Whether a built reward keeps state across steps and needs `calibrate` on the whole batch."""
     return bool(getattr(reward, "stateful", False))

@@ -1,10 +1,14 @@
-"""EVR's entropy-guided branching: the formulas on hand numbers, and the branching statistics."""
+"""EVR's entropy-guided branching (recipes/medvr.py): the formulas on hand numbers, the branching statistics, and the
+rollout hook on a real rollout worker."""
 import math
 import random
 
 import pytest
 
-from actors.branching import EVRConfig, argument_spans, branch_probability, plan_forks, topk_entropy
+from actors.entropy import topk_entropy
+from learners.config import load_config
+from recipes import load_recipe
+from recipes.medvr import EVRBranching, EVRConfig, argument_spans, branch_probability, plan_forks
 
 OPEN, CLOSE = 5, 6
 
@@ -60,6 +64,14 @@ def test_branching_statistics_follow_p():
     assert not any(plan_forks(low, [[range(4, 5)]], 1, cfg, random.Random(s)) for s in range(100))
 
 
+def test_the_medvr_recipe_branches_unless_its_config_turns_evr_off():
+    cfg = load_config("configs/medvr.yaml")
+    [hook] = load_recipe(cfg.recipe).rollout_hooks(cfg)
+    assert isinstance(hook, EVRBranching) and hook.base_samples(8) == 4 and hook.top_logprobs == 20
+    off = load_config("configs/medvr.yaml", ["recipe.args.evr.enabled=false"])
+    assert load_recipe(off.recipe).rollout_hooks(off) == []
+
+
 @pytest.mark.slow
 def test_evr_forks_inside_tool_arguments_on_a_real_rollout_worker(ray_session):
     """A RolloutWorker with the tiny Qwen2.5-VL and a zoom-in tool actor; the policy is constrained (structured
@@ -87,8 +99,8 @@ def test_evr_forks_inside_tool_arguments_on_a_real_rollout_worker(ray_session):
                 "structured_outputs": StructuredOutputsParams(regex=call)}
     tasks = load_tasks("imaging:finding_mcq_train")[:2]
     try:
-        trajs, summary = ray.get(worker.rollout.remote(tasks, [0, 1], 4, sampling, 7, grammar, False,
-                                                       {"enabled": True, "p_base": 1.0, "gamma": 0.0}))
+        hooks = [EVRBranching(EVRConfig(p_base=1.0, gamma=0.0))]
+        trajs, summary = ray.get(worker.rollout.remote(tasks, [0, 1], 4, sampling, 7, grammar, hooks))
     finally:
         ray.kill(worker)
         env.shutdown()
@@ -98,7 +110,8 @@ def test_evr_forks_inside_tool_arguments_on_a_real_rollout_worker(ray_session):
     assert len(trajs) == 8 and [t.group for t in trajs] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(t.branch is None for g in (0, 4) for t in trajs[g:g + 2])  # the base half
     forks = [t for t in trajs if t.branch is not None]
-    assert summary["branch_budget"] == 4 and summary["branch_events"] == len(forks) > 0
+    stats = summary["hook_stats"]
+    assert stats["evr/branch_budget"] == 4 and stats["evr/branch_events"] == len(forks) > 0
     for t in forks:
         origin, at = trajs[4 * t.group + t.branch["of"]], t.branch["at"]
         assert t.response_ids[:at] == origin.response_ids[:at]  # the shared prefix, sampled anew from `at`

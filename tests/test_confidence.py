@@ -1,11 +1,14 @@
-"""Med-RwR's confidence gain: which sequences are probed, and the reward from their log-probabilities."""
+"""Med-RwR's confidence gain: which sequences are probed (recipes/med_rwr.py), and the reward from their
+log-probabilities."""
 import math
 
 import pytest
 
 from actors.trajectory import Trajectory
-from rewards.confidence import answer_probe_sequences, confidence_gain
-from rewards.registry import needs_answer_logprobs
+from learners.config import load_config
+from recipes import load_recipe
+from recipes.med_rwr import AnswerProbe, answer_probe_sequences
+from rewards.confidence import confidence_gain
 
 ANSWER, GOLD = 7, 42
 
@@ -37,6 +40,8 @@ def test_confidence_gain_is_the_log_ratio():
     assert scores["confidence_gain"] == pytest.approx([math.log(2), 0.0])
 
 
-def test_only_runs_that_use_it_pay_for_the_probes():
-    assert needs_answer_logprobs(["accuracy", "confidence_gain"])
-    assert not needs_answer_logprobs(["accuracy", "tag_format"])
+def test_only_stages_that_reward_it_pay_for_the_probes():
+    cfg = load_config("configs/med_rwr.yaml")  # stage text: format + accuracy; stage multimodal adds confidence gain
+    recipe = load_recipe(cfg.recipe)
+    hooks = [recipe.rollout_hooks(cfg.for_stage(i)) for i in range(len(cfg.stage_plan()))]
+    assert hooks[0] == [] and [type(h) for h in hooks[1]] == [AnswerProbe]

@@ -1,18 +1,23 @@
 """The floors hold: every project import (module level or inside a function) points down or sideways, never up, and
-no module imports itself back through another.
+no module imports itself back through another; the core names no recipe.
 
-    cluster  <-  tasks  <-  actors, rewards  <-  learners, serve      (serve never imports learners)
+    cluster  <-  tasks  <-  actors, rewards  <-  recipes  <-  learners, serve      (serve never imports learners)
+
+learners imports the plugin registry (`recipes`, the package) and nothing of a recipe: a config's `recipe:` is
+imported by name at run time.
 """
+import re
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = ("cluster", "tasks", "actors", "rewards", "learners", "serve")
+FLOORS = ("cluster", "tasks", "actors", "rewards", "recipes", "learners", "serve")
 MAY_IMPORT = {"cluster": {"cluster"},
               "tasks": {"cluster", "tasks"},
               "actors": {"cluster", "tasks", "actors", "rewards"},
               "rewards": {"cluster", "tasks", "actors", "rewards"},
-              "learners": {"cluster", "tasks", "actors", "rewards", "learners"},
+              "recipes": {"cluster", "tasks", "actors", "rewards", "recipes"},
+              "learners": {"cluster", "tasks", "actors", "rewards", "recipes", "learners"},
               "serve": {"cluster", "tasks", "actors", "rewards", "serve"}}
 
 
@@ -54,3 +59,24 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+def test_the_core_never_imports_a_recipe_by_name():
+    by_name = [f"{path.relative_to(ROOT)}:{line}: imports {name}" for module, path in modules().items()
+               if not module.startswith("recipes.") for line, name in project_imports(path)
+               if name.startswith("recipes.")]
+    assert by_name == []
+
+
+#: The files every run goes through; a recipe's code lives in its plugin, not here.
+CORE = ("learners/trainer.py", "learners/config.py", "learners/services.py", "learners/metrics.py",
+        "actors/rollout_worker.py", "actors/hooks.py", "recipes/__init__.py")
+RECIPE_NAMES = ("Med-RwR", "Med-R3", "ARMed", "MedVR", "MedVistaGym", "EVR", "knowledge injection")
+
+
+def test_core_files_carry_no_recipe_names():
+    names = RECIPE_NAMES + tuple(p.stem for p in (ROOT / "recipes").glob("*.py") if p.stem != "__init__")
+    pattern = re.compile("|".join(rf"\b{re.escape(n)}\b" for n in names), re.IGNORECASE)
+    found = [f"{f}:{i}: {m.group()}" for f in CORE for i, line in enumerate((ROOT / f).read_text().splitlines(), 1)
+             for m in pattern.finditer(line)]
+    assert found == []

@@ -103,7 +103,7 @@ def test_malformed_demonstrations_name_file_line_and_field(tmp_path):
 def test_representative_questions_come_from_frequent_answers_nearest_their_centroids():
     import numpy as np
 
-    from learners.knowledge_injection import representative_tasks
+    from recipes.armed import representative_tasks
     answers = ["gout", "gout", "gout", "gout", "asthma", "asthma", "asthma", "rare"]
     # two tight clusters among the gout/asthma questions; 'rare' (frequency 1 <= tau) is never chosen
     points = np.array([[0, 0], [0.1, 0], [5, 5], [5.1, 5], [0, 0.1], [0.05, 0.05], [5, 5.1], [0, 0]], float)
@@ -120,7 +120,7 @@ def test_demonstrations_from_rollouts_keep_segments_and_anchor_the_gold_answer(t
     from transformers import AutoTokenizer
 
     from actors.trajectory import Trajectory
-    from learners.knowledge_injection import anchored_segments, segments_of
+    from recipes.armed import anchored_segments, segments_of
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     policy, env, answer = (tok.encode(t, add_special_tokens=False) for t in
                            ("<think>tall</think><query>tall</query>", "<retrieve>Marfan</retrieve>",
@@ -133,3 +133,12 @@ def test_demonstrations_from_rollouts_keep_segments_and_anchor_the_gold_answer(t
     assert segments[1]["text"] == "<retrieve>Marfan</retrieve>"
     anchored = anchored_segments(segments, "A")
     assert anchored[-1]["text"] == "<answer>A</answer>" and anchored[:2] == segments[:2]
+
+
+def test_a_recipe_checks_the_settings_of_its_demonstration_source():
+    cfg = load_config("configs/armed.yaml")
+    assert [s.sft.args for s in cfg.stages if s.sft] == [{"clusters": 32, "samples": 4, "min_answer_frequency": 1}]
+    with pytest.raises(ConfigError, match=r"stage 'inject': sft.args.clusters: Input should be greater"):
+        load_config("configs/armed.yaml", ["stages.1.sft.args.clusters=0"])
+    with pytest.raises(ConfigError, match=r"sft.args set the recipe's demonstration sources \['self'\]"):
+        load_config("configs/armed.yaml", ["stages.1.sft.data=demos.jsonl"])

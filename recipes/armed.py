@@ -1,5 +1,6 @@
-"""ARMed's medical thinking knowledge injection (ARMed, arXiv 2508.12957, sec. 3.4): the SFT stage between its two
-RL stages trains on the RL model's own reasoning for a compact, diverse set of representative questions.
+"""ARMed's plugin: medical thinking knowledge injection (ARMed, arXiv 2508.12957, sec. 3.4), a demonstration source.
+The SFT stage between its two RL stages trains on the RL model's own reasoning for a compact, diverse set of
+representative questions.
 
     D_core = {(x_i, y_i) | f(y_i) > tau}                       (Eqn. 12, f = frequency of the answer)
     C      = KMeans({E(x_i) | (x_i, y_i) in D_core})            (Eqn. 14, E = a sentence encoder)
@@ -8,6 +9,12 @@ RL stages trains on the RL model's own reasoning for a compact, diverse set of r
 The trainer samples the current policy on those questions (an `sft` stage with `sft.data: self`) and keeps, per
 question, its correct rollouts as demonstrations; a question with none keeps the policy's reasoning with the gold
 answer in place of its own (the answer is the paper's "semantic anchor" that guides the reasoning).
+
+    recipe: armed
+    stages: [..., {name: inject, kind: sft, steps: 6,
+                   sft: {data: self, batch_size: 16, args: {clusters: 32, samples: 4, min_answer_frequency: 1}}}, ...]
+
+ARMed's rewards are rewards/adaptive.py (Adapt), rewards/semantic.py and rewards/nci.py.
 """
 from __future__ import annotations
 
@@ -16,8 +23,11 @@ import re
 from collections import Counter
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-log = logging.getLogger("medray.knowledge_injection")
+from recipes import Recipe, register_recipe
+
+log = logging.getLogger("medray.recipes.armed")
 
 
 def question_text(task: dict) -> str:
@@ -38,7 +48,7 @@ def representative_tasks(answers: list[str], embeddings: np.ndarray, min_frequen
     counts = Counter(answers)
     core = [i for i, a in enumerate(answers) if counts[a] > min_frequency]
     if not core:
-        raise ValueError(f"no answer occurs more than {min_frequency} times: lower sft.min_answer_frequency")
+        raise ValueError(f"no answer occurs more than {min_frequency} times: lower sft.args.min_answer_frequency")
     k = min(clusters, len(core))
     points = embeddings[core].astype(np.float64)
     centroids, labels = kmeans2(points, k, seed=seed, minit="++")
@@ -77,8 +87,18 @@ def anchored_segments(segments: list[dict], gold: str, answer_tag: str = "answer
     return out[:last_policy + 1]
 
 
-def generate_demonstrations(workers: list, tasks: list[dict], tokenizer, cfg, sft, seed: int, path) -> int:
-    """Sample `sft.samples` rollouts of each representative question of `tasks` on the rollout `workers` (the current
+class InjectionArgs(BaseModel):
+    """`sft.args` of an `sft.data: self` stage."""
+    model_config = ConfigDict(extra="forbid")
+
+    min_answer_frequency: int = Field(1, ge=0, description="tau: answers occurring more often form D_core")
+    clusters: int = Field(64, ge=1, description="K-means clusters over D_core = representative questions")
+    samples: int = Field(4, ge=1, description="rollouts per representative question")
+
+
+def generate_demonstrations(workers: list, tasks: list[dict], tokenizer, cfg, args: InjectionArgs, seed: int,
+                            path) -> int:
+    """Sample `args.samples` rollouts of each representative question of `tasks` on the rollout `workers` (the current
     policy) and write the demonstrations to `path`: a question's correct rollouts, or, if none is, its first rollout's
     reasoning anchored to the gold answer. Returns how many were written."""
     import ray
@@ -88,10 +108,10 @@ def generate_demonstrations(workers: list, tasks: list[dict], tokenizer, cfg, sf
     from tasks.files import write_jsonl
 
     embeddings = load_encoder("minilm").encode([question_text(t) for t in tasks])
-    chosen = representative_tasks([str(t["answer"]) for t in tasks], embeddings, sft.min_answer_frequency,
-                                  sft.clusters, cfg.seed)
+    chosen = representative_tasks([str(t["answer"]) for t in tasks], embeddings, args.min_answer_frequency,
+                                  args.clusters, cfg.seed)
     parts = np.array_split(np.arange(len(chosen)), len(workers))
-    refs = [w.rollout.options(num_returns=2).remote([tasks[chosen[i]] for i in part], part.tolist(), sft.samples,
+    refs = [w.rollout.options(num_returns=2).remote([tasks[chosen[i]] for i in part], part.tolist(), args.samples,
                                                     cfg.rollout.sampling(), seed, cfg.rollout.grammar.model_dump())[0]
             for w, part in zip(workers, parts)]
     demos = []
@@ -111,3 +131,21 @@ def generate_demonstrations(workers: list, tasks: list[dict], tokenizer, cfg, sf
     log.info("knowledge injection: %d representative questions, %d demonstrations (%d from correct rollouts)",
              len(chosen), written, sum(d["correct"] for d in demos))
     return written
+
+
+@register_recipe("armed")
+class ARMed(Recipe):
+    """`sft.data: self`: knowledge-injection demonstrations from the current policy."""
+    demonstration_sources = ("self",)
+
+    def check(self, cfg) -> None:
+        for stage in cfg.stages:
+            if stage.sft and stage.sft.data == "self":
+                try:
+                    InjectionArgs.model_validate(stage.sft.args)
+                except ValidationError as e:
+                    raise ValueError(f"stage {stage.name!r}: " + "; ".join(
+                        f"sft.args.{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())) from None
+
+    def write_demonstrations(self, source, *, workers, tasks, tokenizer, cfg, sft, seed, path) -> None:
+        generate_demonstrations(workers, tasks, tokenizer, cfg, InjectionArgs.model_validate(sft.args), seed, path)

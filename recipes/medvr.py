@@ -1,5 +1,5 @@
-"""MedVR's Entropy-guided Visual Regrounding (EVR, the MedVR paper, sec. 3.2 and Algorithm 1): where a
-rollout is uncertain about a tool's arguments, fork it and sample those arguments again.
+"""MedVR's plugin: Entropy-guided Visual Regrounding (EVR, the MedVR paper, sec. 3.2 and Algorithm 1), a rollout
+hook: where a rollout is uncertain about a tool's arguments, fork it and sample those arguments again.
 
     H_t   = - sum_v p_t(v) log p_t(v)                   token entropy at temperature T
     H_base = mean H_t over the first `base_tokens` tokens of the response
@@ -16,41 +16,33 @@ rollouts in order: a decision at token t depends only on the entropies up to t a
 the same process as deciding during decoding (only the order in which concurrent rollouts claim the budget is fixed
 rather than timing-dependent, which keeps runs reproducible).
 
-Entropy source: the engine returns the top-k log-probabilities of each sampled position (after temperature,
-`logprobs_mode=processed_logprobs`); the mass r outside the top k is taken as spread evenly over the other V - k
-tokens, H ~= -sum_topk p log p - r log(r / (V - k)). With k >= V it is exact.
+Entropy source: the engine's top-k log-probabilities of each sampled position (actors/entropy.py).
+
+    recipe: {name: medvr, args: {evr: {p_base: 0.5, gamma: 0.5}}}     # evr.enabled false: the ablation
 """
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from actors.environment import Episode, derive_seed
+from actors.hooks import RolloutBatch, RolloutHook
+from recipes import Recipe, register_recipe
+
 
 class EVRConfig(BaseModel):
-    """`rollout.evr`: MedVR's entropy-guided branching (off unless enabled)."""
+    """`recipe.args.evr`: the branching's settings."""
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(True, description="false: every sample independent (the ablation without EVR)")
     p_base: float = Field(0.5, ge=0, le=1)
     gamma: float = Field(0.5, ge=0)
     base_tokens: int = Field(16, ge=1, description="H_base: mean entropy over the response's first tokens")
     window: int = Field(4, ge=1, description="H_tool: rolling mean over the last tool-argument tokens")
     top_logprobs: int = Field(20, ge=1, le=20, description="log-probabilities per position the entropy is computed "
                                                         "from (vLLM returns at most 20 by default)")
-
-
-def topk_entropy(logprobs: list[float], vocab_size: int) -> float:
-    """Entropy (nats) of a next-token distribution known through its top-k log-probabilities; the remaining mass is
-    assumed uniform over the other vocab_size - k tokens."""
-    probs = [math.exp(lp) for lp in logprobs]
-    h = -sum(p * lp for p, lp in zip(probs, logprobs) if p > 0)
-    rest, others = max(0.0, 1.0 - sum(probs)), vocab_size - len(logprobs)
-    if rest > 1e-12 and others > 0:
-        h -= rest * math.log(rest / others)
-    return h
 
 
 def branch_probability(h_tool: float, h_base: float, p_base: float, gamma: float) -> float:
@@ -102,3 +94,58 @@ def plan_forks(entropies: list[list[float]], spans: list[list[range]], budget: i
                     forks.append(Fork(episode, t, p))
                     break
     return forks
+
+
+class EVRBranching(RolloutHook):
+    """EVR inside the rollout worker: half of each group first (the base set), with token entropies recorded; then
+    per group the forks planned from the base rollouts' tool-argument entropies, and independent samples for the
+    budget left. Groups end as base rollouts, then forks, then the independent ones."""
+
+    def __init__(self, cfg: EVRConfig):
+        self.cfg = cfg
+        self.top_logprobs = cfg.top_logprobs
+
+    def base_samples(self, group_size: int) -> int:
+        return group_size - group_size // 2
+
+    def extend(self, worker, batch: RolloutBatch) -> tuple[list[Episode], dict[str, float]]:
+        g, tokenizer, vision = worker.runner.grammar, worker.tokenizer, worker.vision
+        open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in (f"<{g.action_tag}>", g.action_close))
+        budget = batch.group_size - self.base_samples(batch.group_size)
+        extra, forks = [], 0
+        for i, group in enumerate(batch.groups):
+            rng = random.Random(derive_seed(batch.seed, group[0].group, "evr"))
+            spans = [argument_spans(ep.response_ids, ep.loss_mask, open_id, close_id, tokenizer.decode)
+                     for ep in group]
+            planned = plan_forks([ep.entropies for ep in group], spans, budget, self.cfg, rng)
+            for k, fork in enumerate(planned):
+                origin = group[fork.episode]  # it keeps its prompt's images and those observed before the fork
+                shown = batch.prompt_images[i] + (origin.response_ids[:fork.position].count(vision.start_id)
+                                                  if vision else 0)
+                branch = origin.fork(fork.position, derive_seed(batch.seed, group[0].group, "fork", k), shown)
+                branch.branch = {"of": fork.episode, "at": fork.position, "p": round(fork.probability, 4)}
+                group.append(branch)
+            group += [batch.new_episode(i, len(group) + k) for k in range(budget - len(planned))]
+            extra += group[len(group) - budget:]
+            forks += len(planned)
+        return extra, {"evr/branch_events": forks, "evr/branch_budget": budget * len(batch.groups)}
+
+
+class MedVRArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    evr: EVRConfig = EVRConfig()
+
+
+@register_recipe("medvr")
+class MedVR(Recipe):
+    """EVR branching in every GRPO stage (the CCA tool reward is `medvr_tool`, rewards/tool_use.py)."""
+    Args = MedVRArgs
+
+    def check(self, cfg) -> None:
+        if self.args.evr.enabled and (not cfg.rollout.grammar.action_tag or cfg.rollout.group_size < 2):
+            raise ValueError("recipe.args.evr needs a grammar with an action tag (tool calls to branch in) and "
+                             "group_size >= 2 (half of each group is the base set, half the branching budget)")
+
+    def rollout_hooks(self, cfg) -> list[RolloutHook]:
+        return [EVRBranching(self.args.evr)] if self.args.evr.enabled else []
