@@ -1,0 +1,64 @@
+"""One GRPO step of the real model on this machine: where its time goes, and what the learner's dtype does to it.
+
+    python benchmarks/bench_step.py [--steps 4] [--variants fp32 bf16] [key=value ...]
+
+The quickstart's GRPO stage alone (SmolLM2-135M-Instruct from its base weights, retrieval on, rewards as shipped) at
+8 prompts x 4 samples = 32 samples a step, once per variant:
+  fp32   learner forward and backward in float32 (learner.compute_dtype=float32)
+  bf16   the learner's matmuls under bfloat16 autocast; weights, gradients and Adam stay float32. Pays where the CPU
+         multiplies bfloat16 natively (AVX512-BF16 or AMX; cluster.devices.fast_bfloat16), or on a GPU.
+The engine samples in float32 in both. Means over steps 2..N (step 1 warms engines and caches); the last step also runs
+the fidelity check (engine vs learner log-probabilities after the sync), reported beside the variant's tolerance.
+Target: a 32-sample step <= 60 s with sync <= 3% of it. Writes benchmarks/results/step_real.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VARIANTS = {"fp32": ["learner.compute_dtype=float32"], "bf16": ["learner.compute_dtype=bfloat16"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from benchmarks.common import report
+    from learners.config import load_config
+    from learners.trainer import Trainer
+
+    rows = []
+    for variant in args.variants:
+        with tempfile.TemporaryDirectory() as out:
+            cfg = load_config("configs/quickstart.yaml", [
+                f"output_dir={out}", f"total_steps={args.steps}", "eval=null", "checkpoint.every=1000",
+                f"stages=[{{name: grpo, kind: grpo, steps: {args.steps}}}]", "rollout.prompts_per_step=8",
+                "rollout.group_size=4", f"rollout.fidelity_check_every={args.steps}", *VARIANTS[variant],
+                *args.overrides])
+            load = os.getloadavg()[0]
+            history = Trainer(cfg).fit()
+        timed = history[1:]
+        mean = {k: statistics.mean(r[k] for r in timed) for k in ("step_s", "generate_s", "train_s", "sync_s")}
+        rows.append({"variant": variant, "samples": 32, **mean, "sync_share": mean["sync_s"] / mean["step_s"],
+                     "response_tokens": statistics.mean(r["response_length"] for r in timed),
+                     "fidelity_max_abs_diff": history[-1].get("fidelity_max_abs_diff"),
+                     "tolerance": cfg.fidelity_tolerance(), "load_at_start": round(load, 2),
+                     "when": time.strftime("%H:%M")})
+    if len(rows) == 2:
+        rows.append({"variant": f"{rows[0]['variant']} / {rows[1]['variant']}",
+                     "step_s": rows[0]["step_s"] / rows[1]["step_s"], "train_s": rows[0]["train_s"] / rows[1]["train_s"]})
+    report("step_real", rows)
+
+
+if __name__ == "__main__":
+    main()
