@@ -137,7 +137,7 @@ def retrieval_suite(args) -> list[dict]:
         "sft_direct": ([*SINGLE_TURN, *cold_start(s, direct_demos)], SINGLE_TURN, None),
         "grpo_no_retrieval": ([*rl, *SINGLE_TURN, FORMAT_ACCURACY], SINGLE_TURN, "sft_direct"),
         "grpo_retrieval": ([*rl, FORMAT_ACCURACY], [], "sft_only"),
-        "grpo_retrieval_rwr": ([*rl, RWR], [], "sft_only"),
+        "grpo_retrieval_rwr": ([*rl, RWR, "recipe=med_rwr"], [], "sft_only"),
     }
     rows = []
     for name in args.arms or arms:

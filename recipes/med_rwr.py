@@ -36,6 +36,7 @@ class AnswerProbe(RolloutHook):
         answer_open = tokenizer.convert_tokens_to_ids(f"<{worker.runner.grammar.answer_tag}>")
         probes, images, owners = [], [], []
         for t in trajectories:
+            t.answer_logprobs = {}  # probed: empty unless the episode retrieved and answered
             gold = tokenizer.encode(str(t.task.get("answer", "")), add_special_tokens=False)
             pair = answer_probe_sequences(t.prompt_ids, t.response_ids, t.loss_mask, answer_open, gold[0]) \
                 if gold else None

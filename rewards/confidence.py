@@ -11,7 +11,8 @@ Where it is computed: by the rollout engine that sampled the episode, right afte
 log-probabilities of those two sequences (one batched prefill on weights that are, by construction, the behaviour
 policy's; a learner forward would need the sequences shipped to the learner and a second pass there): the med_rwr
 recipe's rollout hook (recipes/med_rwr.py) stores them in `Trajectory.answer_logprobs` in every stage whose rewards
-include confidence_gain; the reward below only reads them (and scores 0 in a run without that recipe).
+include confidence_gain; the reward below only reads them, and refuses trajectories no probe has seen (a run without
+that recipe) rather than scoring them 0.
 """
 from __future__ import annotations
 
@@ -29,4 +30,7 @@ def confidence_gain_value(answer_logprobs: dict | None) -> float:
 @register_reward("confidence_gain")
 def confidence_gain(trajectories: list[Trajectory]) -> dict[str, list[float]]:
     """Med-RwR's sigma_c per trajectory (weight 5 in the paper's total)."""
+    if any(t.answer_logprobs is None for t in trajectories):
+        raise ValueError("confidence_gain needs the answer log-probabilities the med_rwr recipe's rollout hook reads; "
+                         "add `recipe: med_rwr` to the config")
     return {"confidence_gain": [confidence_gain_value(t.answer_logprobs) for t in trajectories]}

@@ -36,8 +36,15 @@ def traj(answer_logprobs):
 
 def test_confidence_gain_is_the_log_ratio():
     # p(gold) rose from 0.25 without the retrieved text to 0.5 with it: sigma_c = ln 2
-    scores = confidence_gain([traj({"with": math.log(0.5), "without": math.log(0.25)}), traj(None)])
-    assert scores["confidence_gain"] == pytest.approx([math.log(2), 0.0])
+    scores = confidence_gain([traj({"with": math.log(0.5), "without": math.log(0.25)}), traj({})])
+    assert scores["confidence_gain"] == pytest.approx([math.log(2), 0.0])  # probed, nothing retrieved: 0
+
+
+def test_confidence_gain_refuses_trajectories_no_probe_has_seen():
+    """A run that rewards confidence gain without the med_rwr recipe (which reads the answer log-probabilities) is
+    told so, instead of training on a reward that is silently 0."""
+    with pytest.raises(ValueError, match="recipe: med_rwr"):
+        confidence_gain([traj({}), traj(None)])
 
 
 def test_only_stages_that_reward_it_pay_for_the_probes():

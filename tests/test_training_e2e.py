@@ -169,7 +169,7 @@ def test_stages_carry_weights_and_resume_mid_stage(ray_session, tiny_model_path,
               " {name: rl, steps: 2, set: {rollout.temperature: 0.9, rewards.components: [{name: accuracy},"
               " {name: confidence_gain, weight: 5.0}]}}]" % demos)
     out = tmp_path / "staged"
-    metrics = run(out, "total_steps=4", stages)
+    metrics = run(out, "total_steps=4", "recipe=med_rwr", stages)
     assert [(m["step"], m["stage_name"]) for m in metrics] == [(1, "cold_start"), (2, "cold_start"), (3, "rl"),
                                                                (4, "rl")]
     assert metrics[0]["sft_loss"] > metrics[1]["sft_loss"] > 0
