@@ -186,6 +186,8 @@ class EvalConfig(Strict):
     batch_size: int = Field(64, ge=1, description="tasks per rollout call on one worker")
     max_turns: int | None = Field(None, ge=0, description="environment calls per episode at evaluation (MedVR: 4 "
                                                           "tool calls at inference); null: the grammar's")
+    judge: bool = Field(False, description="grade open answers with the run's JudgeActor (the `judge` section): "
+                                           "judge_accuracy with a Wilson interval, parse failures counted")
 
 
 class WandbConfig(Strict):
@@ -253,6 +255,8 @@ class RunConfig(Strict):
         if self.rollout.evr.enabled and (not self.rollout.grammar.action_tag or self.rollout.group_size < 2):
             raise ValueError("rollout.evr needs a grammar with an action tag (tool calls to branch in) and "
                              "group_size >= 2 (half of each group is the base set, half the branching budget)")
+        if self.eval is not None and self.eval.judge and self.judge is None:
+            raise ValueError("eval.judge needs a `judge` section: the JudgeActor that grades the open answers")
         if self.judge is not None and self.cluster.judge.num != 1:
             raise ValueError("cluster.judge.num must be 1: one JudgeActor serves every reward actor (by name)")
         if self.retrieval is not None and self.cluster.retriever.num != self.retrieval.shards:
