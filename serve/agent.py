@@ -10,17 +10,26 @@ the sampled token: vLLM's default `raw_logprobs`, the model's own distribution w
 threshold drops the answer turn, shows the most similar image-caption case as an observation, and answers again.
 The trace carries the confidence and, whenever CDIR was asked for, its record: `{"fired", "threshold"}`, plus the case
 (`case_id`, `caption`, `score`) and `confidence_after` when it fired (or `error` when the image search failed).
+
+Streaming (`stream_agent`): one `chat.completion.chunk` per event, as it happens: each model turn's text and each
+observation in `delta.reasoning_content` (their concatenation is the transcript, with any answer turn CDIR dropped),
+the event itself in the chunk's `agent` field (`{"kind": "model" | "observation" | "cdir", "turn", ...}`); then the
+answer in `delta.content`, the finish reason (with the trace when asked), usage when asked, and `[DONE]`.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import re
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from actors.environment import Grammar, retrieval_text, turn_seed
 from actors.cdir import THRESHOLD, answer_confidence, case_text, cdir_fires, token_pieces
+from serve.protocol import APIError, chunk, sse, usage, usage_chunk
+
+log = logging.getLogger("medray.serve")
 
 # (prompt ids, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None, log-probs of
 # the token ids)
@@ -30,6 +39,12 @@ Generate = Callable[[list[int], int, list[str], int | None],
 Search = Callable[[list[str], int], Awaitable[list[list[dict]]]]
 # (images, top_k) -> image-caption hits per image, each {id, image_path, caption, score} (actors.image_index)
 SearchImages = Callable[[list, int], Awaitable[list[list[dict]]]]
+# receives each event of an episode as it happens: {"kind": "model" | "observation" | "cdir", "turn", "text", ...}
+Emit = Callable[[dict], None]
+
+
+def ignore(event: dict) -> None:
+    """The Emit of an episode nobody watches turn by turn."""
 
 
 @dataclass
@@ -54,19 +69,24 @@ class AgentResult:
         return {"finish": self.finish, "turns": self.turns, "transcript": self.transcript,
                 "completion_tokens": self.completion_tokens, "confidence": self.confidence, "cdir": self.cdir}
 
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason: "stop" with an answer, else "length" (turns, tokens or context ran out)."""
+        return "stop" if self.answer is not None else "length"
+
 
 async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int], *,
                     prefix: str = "", max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
                     timeout_s: float, cdir: Cdir | None = None, show: str = "passages",
-                    options: dict[str, str] | None = None) -> AgentResult:
+                    options: dict[str, str] | None = None, emit: Emit = ignore) -> AgentResult:
     """Drive one episode. Hits are shown as training showed them (`actors.environment.retrieval_text`: `show`, and
     with `options`, a multiple-choice question's {letter: text}, each hit named like an option is linked to it). `prefix` is text already in the prompt that belongs to the model's first turn (a continued
     assistant message), so a query it opened is closed by the first generation. `max_tokens` bounds the model's
     tokens; the grammar's `max_response_tokens` bounds model and retriever tokens together. `cdir`: re-retrieve by
     image when the answer's confidence is below its threshold (an episode that ends without an answer has no
-    confidence, and CDIR does not fire)."""
+    confidence, and CDIR does not fire). `emit` sees each model turn and observation as it happens."""
     result = await _episode(generate, search, tokenizer, grammar, prompt_ids, prefix, max_tokens, max_model_len,
-                            stop, seed, timeout_s, cdir, show, options)
+                            stop, seed, timeout_s, cdir, show, options, emit)
     if cdir is not None and result.cdir is None:
         result = dataclasses.replace(result, cdir={"fired": False, "threshold": cdir.threshold})
     return result
@@ -74,7 +94,8 @@ async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Gram
 
 async def _episode(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int],
                    prefix: str, max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                   timeout_s: float, cdir: Cdir | None, show: str, options: dict[str, str] | None) -> AgentResult:
+                   timeout_s: float, cdir: Cdir | None, show: str, options: dict[str, str] | None,
+                   emit: Emit) -> AgentResult:
     """The loop of :func:`run_agent`; its result has a CDIR record only when the episode answered."""
     ids, transcript, segment = list(prompt_ids), "", prefix
     written, turns = 0, []
@@ -91,6 +112,7 @@ async def _episode(generate: Generate, search: Search, tokenizer, grammar: Gramm
         transcript += text
         segment += text
         written += len(new_ids)
+        emit({"kind": "model", "turn": len(turns), "text": text})
         if stopped_by == f"</{grammar.answer_tag}>":
             confidence = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
                                            grammar.answer_tag)
@@ -99,7 +121,7 @@ async def _episode(generate: Generate, search: Search, tokenizer, grammar: Gramm
             if cdir is not None and cdir_fires(confidence, cdir.threshold):
                 return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]],
                                        transcript[:turn_start[1]], prefix, max_tokens, max_model_len, stop,
-                                       turn_sampling_seed, timeout_s)
+                                       turn_sampling_seed, timeout_s, emit)
             return result
         if stopped_by != grammar.action_close:
             return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
@@ -111,13 +133,15 @@ async def _episode(generate: Generate, search: Search, tokenizer, grammar: Gramm
         observation = grammar.wrap_observation(retrieval_text(hits, error, show=show, options=options))
         observation_ids = tokenizer.encode(observation, add_special_tokens=False)[:grammar.max_observation_tokens]
         ids += observation_ids
-        transcript += tokenizer.decode(observation_ids, skip_special_tokens=False)
+        shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
+        transcript += shown
+        emit({"kind": "observation", **turns[-1], "turn": len(turns) - 1, "text": shown})
         segment = ""
 
 
 async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
                     history_ids: list[int], history: str, prefix: str, max_tokens: int, max_model_len: int,
-                    stop: list[str], seed: int | None, timeout_s: float) -> AgentResult:
+                    stop: list[str], seed: int | None, timeout_s: float, emit: Emit) -> AgentResult:
     """Eqn. 7 of Med-RwR: the answer turn is dropped, the most similar image-caption case joins the context after
     the reasoning history, and the model answers once more (the dropped turn's tokens still count as written). A
     failed image search keeps the first answer."""
@@ -129,7 +153,9 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     observation_ids = tokenizer.encode(grammar.wrap_observation(case_text(hit)),
                                        add_special_tokens=False)[:grammar.max_observation_tokens]
     ids = history_ids + observation_ids
-    transcript = history + tokenizer.decode(observation_ids, skip_special_tokens=False)
+    shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
+    transcript = history + shown
+    emit({"kind": "cdir", "turn": len(first.turns), "case_id": hit["id"], "text": shown})
     written = first.completion_tokens
     room = min(max_tokens - written, max_model_len - len(ids))
     record = {"fired": True, "threshold": cdir.threshold, "case_id": hit["id"], "caption": hit["caption"],
@@ -139,6 +165,7 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     text, new_ids, stopped_by, logprobs = await generate(
         ids, room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
     transcript += text
+    emit({"kind": "model", "turn": len(first.turns), "text": text})
     answered = stopped_by == f"</{grammar.answer_tag}>"
     record["confidence_after"] = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
                                                    grammar.answer_tag) if answered else None
@@ -163,3 +190,40 @@ async def _search(search: Search, query: str, top_k: int, timeout_s: float) -> t
 def _answer(text: str, grammar: Grammar) -> str | None:
     found = re.findall(rf"<{grammar.answer_tag}>(.*?)</{grammar.answer_tag}>", text, flags=re.S)
     return found[-1].strip() if found else None
+
+
+def final_chunks(cid: str, model: str, result: AgentResult, trace: bool, prompt_tokens: int,
+                 include_usage: bool) -> list[dict]:
+    """The chunks after the episode's events: the answer, the finish reason (with the trace, if asked) and usage."""
+    events = [chunk(cid, model, {"content": result.answer or ""}),
+              chunk(cid, model, {}, result.finish_reason, **({"trace": result.trace()} if trace else {}))]
+    return events + ([usage_chunk(cid, model, usage(prompt_tokens, result.completion_tokens))] if include_usage
+                     else [])
+
+
+async def stream_agent(episode: Callable[[Emit], Awaitable[AgentResult]], cid: str, model: str, *, trace: bool,
+                       prompt_tokens: int, include_usage: bool,
+                       finished: Callable[[AgentResult], None]) -> AsyncIterator[str]:
+    """Server-sent events of one agent episode (`episode(emit)`), each turn's chunk as soon as the turn ends (see the
+    module docstring), then `final_chunks` and `[DONE]`; `finished` gets the result. A client that goes away
+    cancels the episode; an episode that fails ends the stream with an error event."""
+    queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.ensure_future(episode(queue.put_nowait))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        yield sse(chunk(cid, model, {"role": "assistant", "content": ""}))
+        while (event := await queue.get()) is not None:
+            shown = {k: v for k, v in event.items() if k != "text"}
+            yield sse(chunk(cid, model, {"reasoning_content": event["text"]}, agent=shown))
+        try:
+            result = task.result()
+        except Exception as e:  # noqa: BLE001  headers are sent: the error travels as an event
+            log.exception("agent stream %s failed", cid)
+            yield sse(APIError(500, f"agent episode failed: {type(e).__name__}").body())
+        else:
+            finished(result)
+            for event in final_chunks(cid, model, result, trace, prompt_tokens, include_usage):
+                yield sse(event)
+        yield sse("[DONE]")
+    finally:
+        task.cancel()

@@ -11,119 +11,39 @@ fields; nested ones as dotted keys (`engine.max_model_len=512`, `agent.index_dir
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
-import json
 import logging
 import time
 
 import ray
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.environment import ImageTokens
-from serve.agent import Cdir, run_agent
+from actors.image_tokens import ImageTokens
+from serve.agent import Cdir, run_agent, stream_agent
+from serve.api import api, read_body
 from serve.config import ServeSettings, key_digest
-from serve.engine import EnginePrompt, RequestRejectedError, start_engine
+from serve.engine import EnginePrompt, start_engine
 from serve.images import load_image
 from serve.metrics import serve_metrics
 from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, decode_body,
-                            finish_reason, parse_request, usage, usage_chunk)
+                            finish_reason, parse_request, sse, usage, usage_chunk)
 from serve.retrievers import CONSTRUCTOR_RETRIES, ImageRetrieverServer, RetrieverServer
 from tasks.schema import parse_option_listing
 
 log = logging.getLogger("medray.serve")
 
-ROUTES = ("/health", "/v1/models", "/v1/chat/completions")
 HEALTH_TIMEOUT_S = 5.0
-
-api = FastAPI(title="medray", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-def error_response(error: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-@api.exception_handler(APIError)
-async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return error_response(error)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    message = "no such route" if error.status_code == 404 else str(error.detail)
-    return error_response(APIError(error.status_code, message))
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return error_response(APIError(400, f"invalid request: {error.errors()[:3]}"))
-
-
-@api.exception_handler(RequestRejectedError)
-async def _rejected(request: Request, error: RequestRejectedError) -> JSONResponse:
-    return error_response(APIError(400, f"the engine refused the request: {error}"))
-
-
-@api.exception_handler(Exception)
-async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
-    log.exception("%s %s failed", request.method, request.url.path)
-    return error_response(APIError(500, f"internal error ({type(error).__name__}); the server is still up"))
-
-
-class CountRequests:
-    """Counts responses by route and status. A plain ASGI middleware: Starlette's `@app.middleware` re-wraps every
-    response in memory streams, a cost per request that shows when the replica shares its cores with the engine."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                serve_metrics().request(route, message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        except Exception:
-            serve_metrics().request(route, 500)
-            raise
-
-
-api.add_middleware(CountRequests)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it (or its declared length) passes `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    return bytes(body)
 
 
 def last_user_text(req: ChatRequest) -> str:
     """The text of the request's last user message (its text parts, for a multi-part message)."""
     content = next((m.content for m in reversed(req.messages) if m.role == "user"), "")
     return content if isinstance(content, str) else "\n".join(p.text or "" for p in content if p.type == "text")
-
-
-def sse(event: dict | str) -> str:
-    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
 
 
 # Everything ChatServer's methods call is defined above it: Serve pickles the class by value when it is decorated.
@@ -327,9 +247,9 @@ class ChatServer:
 
     async def agent_completion(self, req: ChatRequest, cid: str, prompt: EnginePrompt, max_tokens: int,
                                started: float):
-        """Run the retrieval loop to the end, then answer (as one completion, or as a short event stream). With an
-        image retriever and an image in the request, CDIR re-retrieves by the first image on a low-confidence
-        answer."""
+        """Run the retrieval loop: to the end, then answer as one completion; or streamed turn by turn
+        (`serve.agent.stream_agent`). With an image retriever and an image in the request, CDIR re-retrieves by the
+        first image on a low-confidence answer."""
         asked = req.agent or AgentOptions()
         grammar = self.settings.agent.grammar.model_copy(update={
             k: v for k, v in {"max_turns": asked.max_turns, "top_k": asked.top_k}.items() if v is not None})
@@ -355,24 +275,28 @@ class ChatServer:
         agent = self.settings.agent
         options = parse_option_listing(last_user_text(req)) if agent.link_options else None
         # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
-        result = await run_agent(generate, search, self.tokenizer, grammar, prompt.ids,
-                                 prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
-                                 max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
-                                 stop=req.stop_list, seed=req.seed, timeout_s=agent.retrieval_timeout_s,
-                                 cdir=cdir, show=agent.show, options=options)
-        self.metrics.agent_turns(result.turns)
-        self.metrics.finished("agent", req.stream, time.perf_counter() - started, prompt.num_tokens,
-                              result.completion_tokens)
-        reason = "stop" if result.answer is not None else "length"
-        extra = {"trace": result.trace()} if asked.trace else {}
-        token_usage = usage(prompt.num_tokens, result.completion_tokens)
-        if not req.stream:
-            return completion(cid, req.model, result.answer or "", reason, token_usage, **extra)
-        events = [chunk(cid, req.model, {"role": "assistant", "content": result.answer or ""}),
-                  chunk(cid, req.model, {}, reason, **extra)]
-        if req.stream_options and req.stream_options.include_usage:
-            events.append(usage_chunk(cid, req.model, token_usage))
-        return StreamingResponse(iter([sse(e) for e in events] + [sse("[DONE]")]), media_type="text/event-stream")
+        episode = functools.partial(run_agent, generate, search, self.tokenizer, grammar, prompt.ids,
+                                    prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
+                                    max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
+                                    stop=req.stop_list, seed=req.seed, timeout_s=agent.retrieval_timeout_s,
+                                    cdir=cdir, show=agent.show, options=options)
+
+        def finished(result) -> None:
+            self.metrics.agent_turns(result.turns)
+            self.metrics.finished("agent", req.stream, time.perf_counter() - started, prompt.num_tokens,
+                                  result.completion_tokens)
+
+        if req.stream:
+            return StreamingResponse(stream_agent(lambda emit: episode(emit=emit), cid, req.model, trace=asked.trace,
+                                                  prompt_tokens=prompt.num_tokens, finished=finished,
+                                                  include_usage=bool(req.stream_options
+                                                                     and req.stream_options.include_usage)),
+                                     media_type="text/event-stream")
+        result = await episode()
+        finished(result)
+        return completion(cid, req.model, result.answer or "", result.finish_reason,
+                          usage(prompt.num_tokens, result.completion_tokens),
+                          **({"trace": result.trace()} if asked.trace else {}))
 
 
 def app(args: dict) -> serve.Application:
