@@ -9,8 +9,8 @@ import time
 import ray
 
 from actors.branching import EVRConfig, argument_spans, plan_forks
-from actors.environment import (Environment, Episode, EpisodeRunner, Grammar, ImageTokens, derive_seed, rgb_array,
-                                to_trajectory)
+from actors.environment import Environment, Episode, EpisodeRunner, Grammar, derive_seed, rgb_array, to_trajectory
+from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
 from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights

@@ -139,7 +139,7 @@ def cdir_markdown(summary: dict) -> str:
 
 def text_only_view(tasks: list[dict], policy_path: str) -> list[dict]:
     """The tasks as a text-only policy reads them: without their images (it cannot take them)."""
-    from actors.environment import ImageTokens
+    from actors.image_tokens import ImageTokens
     return [{**t, "images": []} for t in tasks] if ImageTokens.for_model(policy_path) is None else tasks
 
 

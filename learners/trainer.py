@@ -16,7 +16,8 @@ import ray
 import torch
 import yaml
 
-from actors.environment import ImageTokens, derive_seed
+from actors.environment import derive_seed
+from actors.image_tokens import ImageTokens
 from actors.rollout_worker import RolloutWorker
 from learners.services import (count_restarts, service_actors, service_roles, start_environment, start_judge,
                                tool_demand)
