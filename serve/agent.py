@@ -1,8 +1,12 @@
-"""Agent mode: the medical reasoning-with-retrieval loop on a served request.
+"""Agent mode: the served policy's multi-turn loop, with retrieval or with tools, on a served request.
 
-The same grammar as training (`actors.environment.Grammar`): the model writes until it closes the action tag
-(`</query>`), the query goes to the retriever, the hits come back inside the observation tag (`<retrieve>...`) and the
-model continues, until it closes `</answer>`, runs out of turns or of its token budget.
+The same grammar as training (`actors.environment.Grammar`): the model writes until it closes the action tag, the
+action goes to the environment (an `Observe`), its observation comes back inside the observation tag and the model
+continues, until it closes `</answer>`, runs out of turns or of its token budget, or the environment ends the episode.
+Two environments: retrieval (`retrieval_observer`: `</query>` -> hits in `<retrieve>...`, as the Retriever shows them in
+training) and tools (`serve.tools`: `<tool_call>{"name", "arguments"}</tool_call>` -> the tool's text and images in
+`<tool_response>...`, with the Gym's checks and records). Observation images join the request's images: the prompt
+holds one placeholder per image (vLLM's form) and the room left counts the tokens each expands to.
 
 CDIR (Med-RwR's test-time image re-retrieval, `actors/cdir.py`): when the request's image and an image search are
 given, the answer's confidence (the probability of the option token after `<answer>`, from the engine's log-prob of
@@ -21,19 +25,23 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import re
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
-from actors.environment import Grammar, retrieval_text, turn_seed
+from PIL import Image
+
+from actors.environment import Grammar, retrieval_text, rgb_array, turn_seed
 from actors.cdir import THRESHOLD, answer_confidence, case_text, cdir_fires, token_pieces
+from actors.image_tokens import ImageTokens
 from serve.protocol import APIError, chunk, sse, usage, usage_chunk
 
 log = logging.getLogger("medray.serve")
 
-# (prompt ids, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None, log-probs of
-# the token ids)
-Generate = Callable[[list[int], int, list[str], int | None],
+# (prompt ids, images, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None,
+# log-probs of the token ids)
+Generate = Callable[[list[int], list, int, list[str], int | None],
                     Awaitable[tuple[str, list[int], str | None, list[float]]]]
 # (queries, top_k) -> hits per query, each a dict with at least "id" and "text"
 Search = Callable[[list[str], int], Awaitable[list[list[dict]]]]
@@ -45,6 +53,32 @@ Emit = Callable[[dict], None]
 
 def ignore(event: dict) -> None:
     """The Emit of an episode nobody watches turn by turn."""
+
+
+@dataclass
+class Step:
+    """The environment's answer to one action: the text the model reads (after the `images`, RGB arrays), the turn's
+    record for the trace, and whether it ends the episode (then `record["finish"]` says why)."""
+    text: str
+    record: dict
+    images: list = field(default_factory=list)
+    done: bool = False
+
+
+# (the action's text, the episode's turn records so far) -> the observation
+Observe = Callable[[str, list[dict]], Awaitable[Step]]
+
+
+def retrieval_observer(search: Search, top_k: int, timeout_s: float, show: str = "passages",
+                       options: dict[str, str] | None = None) -> Observe:
+    """Retrieval as training showed it (`actors.environment.retrieval_text`: `show`, and with `options`, a
+    multiple-choice question's {letter: text}, each hit named like an option is linked to it); a failed search is an
+    observation the model reads, not a failed request."""
+    async def observe(query: str, turns: list[dict]) -> Step:
+        hits, error = await _search(search, query, top_k, timeout_s)
+        return Step(retrieval_text(hits, error, show=show, options=options),
+                    {"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
+    return observe
 
 
 @dataclass
@@ -61,7 +95,7 @@ class AgentResult:
     finish: str                                     # answer, turn_limit, budget, length, stop
     transcript: str                                 # everything after the prompt: the model's and the retriever's
     completion_tokens: int                          # tokens the model wrote
-    turns: list[dict] = field(default_factory=list)  # per retrieval: query, chunk ids, error
+    turns: list[dict] = field(default_factory=list)  # per action: its record (retrieval: query, chunk ids, error)
     confidence: float | None = None                 # of the first answer (CDIR's eta), None without one
     cdir: dict | None = None                        # fired, threshold, the case, confidence after; None: not asked
 
@@ -75,39 +109,39 @@ class AgentResult:
         return "stop" if self.answer is not None else "length"
 
 
-async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int], *,
-                    prefix: str = "", max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                    timeout_s: float, cdir: Cdir | None = None, show: str = "passages",
-                    options: dict[str, str] | None = None, emit: Emit = ignore) -> AgentResult:
-    """Drive one episode. Hits are shown as training showed them (`actors.environment.retrieval_text`: `show`, and
-    with `options`, a multiple-choice question's {letter: text}, each hit named like an option is linked to it). `prefix` is text already in the prompt that belongs to the model's first turn (a continued
-    assistant message), so a query it opened is closed by the first generation. `max_tokens` bounds the model's
-    tokens; the grammar's `max_response_tokens` bounds model and retriever tokens together. `cdir`: re-retrieve by
-    image when the answer's confidence is below its threshold (an episode that ends without an answer has no
-    confidence, and CDIR does not fire). `emit` sees each model turn and observation as it happens."""
-    result = await _episode(generate, search, tokenizer, grammar, prompt_ids, prefix, max_tokens, max_model_len,
-                            stop, seed, timeout_s, cdir, show, options, emit)
+async def run_agent(generate: Generate, observe: Observe, tokenizer, grammar: Grammar, prompt_ids: list[int], *,
+                    images: list = (), vision: ImageTokens | None = None, prefix: str = "", max_tokens: int,
+                    max_model_len: int, stop: list[str], seed: int | None, timeout_s: float, cdir: Cdir | None = None,
+                    emit: Emit = ignore) -> AgentResult:
+    """Drive one episode over `prompt_ids` (one placeholder per image of `images`; `max_model_len` already less the
+    tokens they expand to). `prefix` is text already in the prompt that belongs to the model's first turn (a
+    continued assistant message), so an action it opened is closed by the first generation. `max_tokens` bounds the
+    model's tokens; the grammar's `max_response_tokens` bounds model and environment tokens together. `vision`: the
+    policy's image tokens, needed when observations carry images. `cdir`: re-retrieve by image when the answer's
+    confidence is below its threshold (an episode that ends without an answer has no confidence, and CDIR does not
+    fire). `emit` sees each model turn and observation as it happens."""
+    result = await _episode(generate, observe, tokenizer, grammar, prompt_ids, list(images), vision, prefix,
+                            max_tokens, max_model_len, stop, seed, timeout_s, cdir, emit)
     if cdir is not None and result.cdir is None:
         result = dataclasses.replace(result, cdir={"fired": False, "threshold": cdir.threshold})
     return result
 
 
-async def _episode(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int],
-                   prefix: str, max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                   timeout_s: float, cdir: Cdir | None, show: str, options: dict[str, str] | None,
-                   emit: Emit) -> AgentResult:
+async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Grammar, prompt_ids: list[int],
+                   images: list, vision: ImageTokens | None, prefix: str, max_tokens: int, max_model_len: int,
+                   stop: list[str], seed: int | None, timeout_s: float, cdir: Cdir | None, emit: Emit) -> AgentResult:
     """The loop of :func:`run_agent`; its result has a CDIR record only when the episode answered."""
     ids, transcript, segment = list(prompt_ids), "", prefix
-    written, turns = 0, []
+    written, turns, image_tokens = 0, [], 0  # image_tokens: what observation images expand to beyond their pads
     stops = sorted(set(stop) | set(grammar.stops()))
     while True:
-        room = min(max_tokens - written, grammar.max_response_tokens - (len(ids) - len(prompt_ids)),
-                   max_model_len - len(ids))
+        used = len(ids) + image_tokens
+        room = min(max_tokens - written, grammar.max_response_tokens - (used - len(prompt_ids)), max_model_len - used)
         if room <= 0:
             return AgentResult(None, "budget", transcript, written, turns)
         turn_sampling_seed = None if seed is None else turn_seed(seed, len(turns))
         turn_start = len(ids), len(transcript)
-        text, new_ids, stopped_by, logprobs = await generate(ids, room, stops, turn_sampling_seed)
+        text, new_ids, stopped_by, logprobs = await generate(ids, images, room, stops, turn_sampling_seed)
         ids += new_ids
         transcript += text
         segment += text
@@ -119,28 +153,51 @@ async def _episode(generate: Generate, search: Search, tokenizer, grammar: Gramm
             result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns,
                                  confidence, None if cdir is None else {"fired": False, "threshold": cdir.threshold})
             if cdir is not None and cdir_fires(confidence, cdir.threshold):
-                return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]],
-                                       transcript[:turn_start[1]], prefix, max_tokens, max_model_len, stop,
-                                       turn_sampling_seed, timeout_s, emit)
+                return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]], images,
+                                       transcript[:turn_start[1]], prefix, max_tokens, max_model_len - image_tokens,
+                                       stop, turn_sampling_seed, timeout_s, emit)
             return result
         if stopped_by != grammar.action_close:
             return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
         if len(turns) >= grammar.max_turns:
             return AgentResult(None, "turn_limit", transcript, written, turns)
-        query = grammar.action_text(segment)
-        hits, error = await _search(search, query, grammar.top_k, timeout_s)
-        turns.append({"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
-        observation = grammar.wrap_observation(retrieval_text(hits, error, show=show, options=options))
-        observation_ids = tokenizer.encode(observation, add_special_tokens=False)[:grammar.max_observation_tokens]
+        step = await observe(grammar.action_text(segment), turns)
+        turns.append(step.record)
+        observation_ids, kept, expanded = observation_tokens(step, grammar, tokenizer, vision)
         ids += observation_ids
+        images += kept
+        image_tokens += expanded
         shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
         transcript += shown
-        emit({"kind": "observation", **turns[-1], "turn": len(turns) - 1, "text": shown})
+        emit({"kind": "observation", **step.record, "turn": len(turns) - 1, "images": len(kept), "text": shown})
+        if step.done:
+            return AgentResult(None, step.record.get("finish", "environment"), transcript, written, turns)
         segment = ""
 
 
+def observation_tokens(step: Step, grammar: Grammar, tokenizer, vision: ImageTokens | None) -> tuple[list[int], list,
+                                                                                                      int]:
+    """The observation's ids in vLLM's form (one pad per image), the images they keep and the tokens those expand to
+    beyond their pads. As in training (`EpisodeRunner.observation_ids`): the images first inside the observation
+    tags, then the text, at most `max_observation_tokens` counted with every image expanded; an image that does not
+    fit is dropped whole."""
+    limit = grammar.max_observation_tokens
+    if not step.images:
+        return tokenizer.encode(grammar.wrap_observation(step.text), add_special_tokens=False)[:limit], [], 0
+    if vision is None:
+        raise ValueError(f"the environment returned {len(step.images)} images, but the served model is text-only")
+    images = [rgb_array(image) for image in step.images]
+    grids = [vision.grid(image) for image in images]
+    text = grammar.wrap_observation(vision.placeholder * len(images) + step.text)
+    full = vision.expand(tokenizer.encode(text, add_special_tokens=False), grids)
+    full = full[:vision.cut(full, limit)]
+    kept = full.count(vision.start_id)
+    return vision.collapse(full), [Image.fromarray(image) for image in images[:kept]], \
+        sum(math.prod(g) // vision.merge ** 2 - 1 for g in grids[:kept])
+
+
 async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
-                    history_ids: list[int], history: str, prefix: str, max_tokens: int, max_model_len: int,
+                    history_ids: list[int], images: list, history: str, prefix: str, max_tokens: int, max_model_len: int,
                     stop: list[str], seed: int | None, timeout_s: float, emit: Emit) -> AgentResult:
     """Eqn. 7 of Med-RwR: the answer turn is dropped, the most similar image-caption case joins the context after
     the reasoning history, and the model answers once more (the dropped turn's tokens still count as written). A
@@ -163,7 +220,7 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     if room <= 0:
         return dataclasses.replace(first, cdir={**record, "error": "no room to answer again"})
     text, new_ids, stopped_by, logprobs = await generate(
-        ids, room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
+        ids, images, room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
     transcript += text
     emit({"kind": "model", "turn": len(first.turns), "text": text})
     answered = stopped_by == f"</{grammar.answer_tag}>"

@@ -24,7 +24,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from actors.image_tokens import ImageTokens
-from serve.agent import Cdir, run_agent, stream_agent
+from serve.agent import Cdir, retrieval_observer, run_agent, stream_agent
 from serve.api import api, read_body
 from serve.config import ServeSettings, key_digest
 from serve.engine import EnginePrompt, start_engine
@@ -33,6 +33,7 @@ from serve.metrics import serve_metrics
 from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, decode_body,
                             finish_reason, parse_request, sse, usage, usage_chunk)
 from serve.retrievers import CONSTRUCTOR_RETRIES, ImageRetrieverServer, RetrieverServer
+from serve.tools import ToolServer, tool_observer
 from tasks.schema import parse_option_listing
 
 log = logging.getLogger("medray.serve")
@@ -51,17 +52,18 @@ def last_user_text(req: ChatRequest) -> str:
                   health_check_period_s=10, health_check_timeout_s=60, max_constructor_retry_count=CONSTRUCTOR_RETRIES)
 @serve.ingress(api)
 class ChatServer:
-    """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever is bound, CDIR in it when an
-    image retriever is too."""
+    """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever or the tools are bound, CDIR
+    in it when an image retriever is too."""
 
     def __init__(self, settings: dict, api_key_digest: bytes, retriever: DeploymentHandle | None = None,
-                 image_retriever: DeploymentHandle | None = None):
+                 image_retriever: DeploymentHandle | None = None, tools: DeploymentHandle | None = None):
         from transformers import AutoTokenizer
 
         self.settings = ServeSettings.model_validate(settings)
         self.limits = self.settings.limits
         self.key_digest = api_key_digest
-        self.retriever, self.image_retriever = retriever, image_retriever
+        self.retriever, self.image_retriever, self.tools = retriever, image_retriever, tools
+        self.environment = tools or retriever  # what agent mode's actions go to; None: no agent mode
         self.device = "cuda" if ray.get_gpu_ids() else "cpu"
         num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         self.vision = ImageTokens.for_model(self.settings.checkpoint)  # None: a text-only checkpoint
@@ -78,19 +80,20 @@ class ChatServer:
 
     @api.get("/health")
     async def health(self) -> dict:
-        """200 once this replica's engine and, in agent mode, a retriever replica answer; 503 until then."""
+        """200 once this replica's engine and, in agent mode, a retriever or tools replica answer; 503 until then."""
         await self.engine.check_health()
-        if self.retriever is not None:
+        if self.environment is not None:
             try:
-                await asyncio.wait_for(self.retriever.ready.remote(), HEALTH_TIMEOUT_S)
+                await asyncio.wait_for(self.environment.ready.remote(), HEALTH_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001  starting, restarting or failed: not ready either way
-                raise APIError(503, f"the retriever is not ready ({type(e).__name__})", code="not_ready") from None
+                what = "tools are" if self.tools else "retriever is"
+                raise APIError(503, f"the {what} not ready ({type(e).__name__})", code="not_ready") from None
         return {"status": "ok"}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self.authenticate(request)
-        ids = [self.settings.model_name] + ([self.settings.agent_model_name] if self.retriever else [])
+        ids = [self.settings.model_name] + ([self.settings.agent_model_name] if self.environment else [])
         return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": "medray"}
                                            for i in ids]}
 
@@ -132,8 +135,9 @@ class ChatServer:
             raise APIError(404, f"model {req.model!r} does not exist; this server has {name!r} and "
                                 f"{self.settings.agent_model_name!r}", param="model", code="model_not_found")
         agent = req.model == self.settings.agent_model_name or req.agent is not None
-        if agent and self.retriever is None:
-            raise APIError(400, "agent mode needs a retriever: start the app with agent.index_dir=<index>",
+        if agent and self.environment is None:
+            raise APIError(400, "agent mode needs a retriever or tools: start the app with agent.index_dir=<index> "
+                                "or agent.tools (or from a checkpoint whose run used them)",
                            param="model")
         return agent
 
@@ -255,9 +259,10 @@ class ChatServer:
             k: v for k, v in {"max_turns": asked.max_turns, "top_k": asked.top_k}.items() if v is not None})
         turn_ids = itertools.count()
 
-        async def generate(ids: list[int], budget: int, stops: list[str], seed: int | None):
+        async def generate(ids: list[int], images: list, budget: int, stops: list[str], seed: int | None):
             params = self.sampling(req, budget, delta=False, agent_stops=stops, seed=seed)
-            async for output in self.engine.generate(prompt.to_vllm(ids), params, f"{cid}-{next(turn_ids)}"):
+            async for output in self.engine.generate(prompt.to_vllm(ids, images), params,
+                                                     f"{cid}-{next(turn_ids)}"):
                 seq = output.outputs[0]
             stopped_by = seq.stop_reason if isinstance(seq.stop_reason, str) else None
             return seq.text, list(seq.token_ids), stopped_by, [lp[t].logprob for lp, t in zip(seq.logprobs,
@@ -273,13 +278,16 @@ class ChatServer:
             if self.image_retriever is not None and prompt.images else None
         prefix = req.messages[-1].content if req.continue_final_message else ""
         agent = self.settings.agent
-        options = parse_option_listing(last_user_text(req)) if agent.link_options else None
+        observe = tool_observer(self.tools, prompt.images, agent.tool_timeout_s) if self.tools else \
+            retrieval_observer(search, grammar.top_k, agent.retrieval_timeout_s, agent.show,
+                               parse_option_listing(last_user_text(req)) if agent.link_options else None)
         # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
-        episode = functools.partial(run_agent, generate, search, self.tokenizer, grammar, prompt.ids,
+        episode = functools.partial(run_agent, generate, observe, self.tokenizer, grammar, prompt.ids,
+                                    images=prompt.images, vision=self.vision,
                                     prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
                                     max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
                                     stop=req.stop_list, seed=req.seed, timeout_s=agent.retrieval_timeout_s,
-                                    cdir=cdir, show=agent.show, options=options)
+                                    cdir=cdir)
 
         def finished(result) -> None:
             self.metrics.agent_turns(result.turns)
@@ -308,9 +316,10 @@ def app(args: dict) -> serve.Application:
     digest = settings.api_key_digest()
     settings = settings.resolved()
     agent = settings.agent
-    retriever = RetrieverServer.bind(agent.index_dir, agent.retrieval) if agent.enabled else None
+    tools = ToolServer.bind(agent.tools, agent.index_dir, agent.retrieval) if agent.enabled and agent.tools else None
+    retriever = RetrieverServer.bind(agent.index_dir, agent.retrieval) if agent.enabled and not agent.tools else None
     image_retriever = ImageRetrieverServer.bind(agent.image_index_dir) if agent.image_index_dir else None
-    return ChatServer.bind(settings.model_dump(), digest, retriever, image_retriever)
+    return ChatServer.bind(settings.model_dump(), digest, retriever, image_retriever, tools)
 
 
 def nest_dotted(args: dict) -> dict:
