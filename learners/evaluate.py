@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -31,28 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learners.config import load_config  # noqa: E402
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (better than the normal one near 0 and 1)."""
-    if n == 0:
-        return 0.0, 0.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
-
-
-def mean_interval(values: list[float], z: float = 1.96) -> dict:
-    arr = np.asarray(values, dtype=float)
-    half = z * arr.std(ddof=1) / math.sqrt(len(arr)) if len(arr) > 1 else 0.0
-    return {"mean": float(arr.mean()), "low": float(arr.mean() - half), "high": float(arr.mean() + half)}
-
-
-def proportion(flags: list[bool]) -> dict:
-    """A success rate with its 95% Wilson interval and n."""
-    low, high = wilson_interval(sum(flags), len(flags))
-    return {"mean": sum(flags) / len(flags), "low": low, "high": high, "n": len(flags)}
+from learners.intervals import mean_interval, proportion  # noqa: E402
 
 
 def score(trajectories: list, summaries: list[dict]) -> dict:
@@ -215,7 +193,7 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
             traj.task = task  # scoring and CDIR read the task as written, images included
         metrics = score(trajectories, summaries)
         if judge_actor is not None:
-            metrics.update(judge_open_answers(trajectories, judge_actor))
+            metrics.update(judge_open_answers(open_questions(trajectories), judge_actor))
         if samples is not None:
             write_samples(samples, trajectories)
         if cdir:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ray
 
 from actors.trajectory import Trajectory
-from learners.evaluate import open_questions, wilson_interval
+from learners.intervals import wilson_interval
 from rewards.builtin import extract_answer
 from rewards.judge import check_template, question_text, reference_answer_text
 
@@ -50,11 +50,10 @@ def verdict_counts(n: int, verdicts: list[bool | None]) -> dict:
             "judge_parse_failures": failures}
 
 
-def judge_open_answers(trajectories: list[Trajectory], judge) -> dict:
-    """The judge's verdicts on the open questions among `trajectories` (multiple choice and closed questions are
-    left to exact match), all prompts in one call to the JudgeActor handle `judge`, as `verdict_counts`; {} when
-    there are no open questions."""
-    open_ended = open_questions(trajectories)
+def judge_open_answers(open_ended: list[Trajectory], judge) -> dict:
+    """The judge's verdicts on the episodes of open questions `open_ended` (`learners.evaluate.open_questions`:
+    multiple choice and closed questions are left to exact match), all prompts in one call to the JudgeActor handle
+    `judge`, as `verdict_counts`; {} when there are none."""
     if not open_ended:
         return {}
     _, contents = verdict_prompts(open_ended)

@@ -14,8 +14,8 @@ from pathlib import Path
 from learners.config import RunConfig
 from learners.data import load_tasks
 from learners.judge_eval import judge_open_answers
-from learners.evaluate import (eval_grammar, greedy_sampling, run_episodes, score, text_only_view, write_report,
-                               write_samples)
+from learners.evaluate import (eval_grammar, greedy_sampling, open_questions, run_episodes, score, text_only_view,
+                               write_report, write_samples)
 
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
 LOGGED = ("accuracy", "closed_accuracy", "judge_accuracy", "judge_parse_failures", "format_rate", "gold_retrieved",
@@ -53,7 +53,7 @@ class Validator:
                                                    desc=f"eval {split}")
             metrics = score(trajectories, summaries)
             if self.cfg.eval.judge:
-                metrics.update(judge_open_answers(trajectories, judge))
+                metrics.update(judge_open_answers(open_questions(trajectories), judge))
             where = self.out / "eval" / f"step_{step}" / split_dir_name(split)
             write_report(where, metrics, f"step {step} on {split}", {"step": step, "data": split})
             write_samples(where / "samples.jsonl", trajectories)

@@ -14,7 +14,8 @@ from test_judge import chat_server  # noqa: F401  (the scripted OpenAI-compatibl
 from actors.judge import JudgeActor, parse_verdict
 from actors.trajectory import Trajectory
 from learners.config import ConfigError, load_config
-from learners.evaluate import wilson_interval
+from learners.evaluate import open_questions
+from learners.intervals import wilson_interval
 from learners.judge_eval import judge_open_answers, verdict_counts
 
 
@@ -71,7 +72,7 @@ def test_open_answers_graded_by_an_openai_judge(ray_session, chat_server):  # no
                  traj("something unclear", "Fabry disease", "q3"),
                  traj(None, "Fabry disease", "q4"),
                  traj("Fabry disease", "Fabry disease", "q5", answer_type="open")]
-        got = judge_open_answers(batch, judge)
+        got = judge_open_answers(open_questions(batch), judge)
         assert got["judge_accuracy"]["n"] == 5 and got["judge_accuracy"]["correct"] == 2
         assert (got["judge_accuracy"]["incorrect"], got["judge_accuracy"]["unanswered"],
                 got["judge_parse_failures"]) == (1, 1, 1)
@@ -80,7 +81,7 @@ def test_open_answers_graded_by_an_openai_judge(ray_session, chat_server):  # no
         assert len(asked) == 5  # four answered open questions, and one retry of the babble
         assert {a.split("Question:\n")[1].split("\n")[0] for a in asked} == {"q1", "q2", "q3", "q5"}
         assert ray.get(judge.stats.remote())["parse_failures"] == 1
-        assert judge_open_answers([mcq, closed], judge) == {}  # nothing open: no judge_accuracy at all
+        assert judge_open_answers(open_questions([mcq, closed]), judge) == {}  # nothing open: no judge_accuracy at all
         assert len(server.requests) == 5
     finally:
         ray.kill(judge)
@@ -96,7 +97,7 @@ def test_tiny_vllm_judge_counts_every_open_answer(ray_session):
     try:
         batch = [traj(f"answer {i}", "Marfan syndrome", f"q{i}") for i in range(5)] + \
             [traj(None, "Marfan syndrome", "q5"), traj("A", "A", "mcq", options={"A": "x", "B": "y"})]
-        got = judge_open_answers(batch, judge)["judge_accuracy"]
+        got = judge_open_answers(open_questions(batch), judge)["judge_accuracy"]
         assert got["n"] == 6 and got["unanswered"] == 1
         assert got["correct"] + got["incorrect"] + got["parse_failures"] == 5
         assert 0 <= got["low"] <= got["mean"] <= got["high"] <= 1
