@@ -225,7 +225,8 @@ class JudgeActor:
 
     def judge(self, prompts: list[Messages], parser: str, **parser_args) -> list[Any]:
         """Parsed judgements, one per prompt: `parser` is a key of PARSERS ("score" with allowed=[...], "verdict",
-        "json", "triples"); an output that does not parse after max_retries re-samples is None (counted, never raised)."""
+        "json", "triples"); an output that does not parse after max_retries re-samples is None (counted, never
+        raised)."""
         if parser not in PARSERS:
             raise ValueError(f"unknown judge parser {parser!r}; known: {sorted(PARSERS)}")
         start, parse = time.perf_counter(), PARSERS[parser]

@@ -6,11 +6,10 @@
 
 The config supplies the grammar (retrieval, turn limits), resources and sampling length; decoding is greedy.
 Multiple choice: accuracy with a 95% Wilson interval. Closed (yes/no) questions: exact-match `closed_accuracy`, also
-with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval, and with `--judge` (or
-`eval.judge: true`) `judge_accuracy`: the config's JudgeActor says whether each open answer is correct, with a Wilson
-interval and its parse failures counted (learners/judge_eval.py). All: format rate, response length, environment
-calls and errors per sample. Writes
-`eval.json` and `eval.md` into --out (default: <checkpoint>/eval).
+with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval, and with
+`--judge` (or `eval.judge: true`) `judge_accuracy`: the config's JudgeActor says whether each open answer is correct,
+with a Wilson interval and its parse failures counted (learners/judge_eval.py). All: format rate, response length,
+environment calls and errors per sample. Writes `eval.json` and `eval.md` into --out (default: <checkpoint>/eval).
 
 `--cdir` adds Med-RwR's test-time image re-retrieval (actors/cdir.py) over an image index (`--image-index`, built by
 `python -m actors.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first

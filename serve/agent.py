@@ -93,7 +93,7 @@ class Cdir:
 class AgentResult:
     answer: str | None
     finish: str                                     # answer, turn_limit, budget, length, stop
-    transcript: str                                 # everything after the prompt: the model's and the retriever's
+    transcript: str                                 # everything after the prompt: the model's and the environment's
     completion_tokens: int                          # tokens the model wrote
     turns: list[dict] = field(default_factory=list)  # per action: its record (retrieval: query, chunk ids, error)
     confidence: float | None = None                 # of the first answer (CDIR's eta), None without one
@@ -197,8 +197,9 @@ def observation_tokens(step: Step, grammar: Grammar, tokenizer, vision: ImageTok
 
 
 async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
-                    history_ids: list[int], images: list, history: str, prefix: str, max_tokens: int, max_model_len: int,
-                    stop: list[str], seed: int | None, timeout_s: float, emit: Emit) -> AgentResult:
+                    history_ids: list[int], images: list, history: str, prefix: str, max_tokens: int,
+                    max_model_len: int, stop: list[str], seed: int | None, timeout_s: float,
+                    emit: Emit) -> AgentResult:
     """Eqn. 7 of Med-RwR: the answer turn is dropped, the most similar image-caption case joins the context after
     the reasoning history, and the model answers once more (the dropped turn's tokens still count as written). A
     failed image search keeps the first answer."""

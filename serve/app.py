@@ -251,8 +251,8 @@ class ChatServer:
 
     async def agent_completion(self, req: ChatRequest, cid: str, prompt: EnginePrompt, max_tokens: int,
                                started: float):
-        """Run the retrieval loop: to the end, then answer as one completion; or streamed turn by turn
-        (`serve.agent.stream_agent`). With an image retriever and an image in the request, CDIR re-retrieves by the
+        """Run the agent loop (retrieval, or the tools): to the end, then answer as one completion; or streamed turn
+        by turn (`serve.agent.stream_agent`). With an image retriever and an image in the request, CDIR re-retrieves by the
         first image on a low-confidence answer."""
         asked = req.agent or AgentOptions()
         grammar = self.settings.agent.grammar.model_copy(update={
