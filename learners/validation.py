@@ -13,9 +13,9 @@ from pathlib import Path
 
 from learners.config import RunConfig
 from learners.data import load_tasks
-from learners.judge_eval import judge_open_answers
 from learners.evaluate import (eval_grammar, greedy_sampling, open_questions, run_episodes, score, text_only_view,
                                write_report, write_samples)
+from learners.judge_eval import judge_open_answers
 
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
 LOGGED = ("accuracy", "closed_accuracy", "judge_accuracy", "judge_parse_failures", "format_rate", "gold_retrieved",
