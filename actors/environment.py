@@ -5,14 +5,13 @@ turn limit and a token budget.
 A single-turn task is the same loop with no action tag. Requests go through the engine's add_request/step interface,
 so while one batch of actions is with the environment the engine keeps decoding every other episode.
 
-Images (a multimodal policy, :class:`ImageTokens`): the episode's token ids hold each image as its full run of
-`<|image_pad|>` tokens (what the learner's forward needs); vLLM gets each run collapsed to one `<|image_pad|>` plus the
-images as `multi_modal_data`, and expands it itself.
+Images (a multimodal policy, :class:`actors.image_tokens.ImageTokens`): the episode's token ids hold each image as its
+full run of pad tokens (`<|image_pad|>` for Qwen2-VL; what the learner's forward needs); vLLM gets each run collapsed
+to one pad plus the images as `multi_modal_data`, and expands it itself.
 """
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import ray
 from pydantic import BaseModel, ConfigDict, Field
 
 from actors.entropy import topk_entropy
+from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 
 
@@ -123,57 +123,6 @@ def rgb_array(image) -> np.ndarray:
     if image.ndim == 3 and image.shape[2] in (3, 4):
         return np.ascontiguousarray(image[:, :, :3])
     raise ValueError(f"an image array must be HxW, HxWx3 or HxWx4, got shape {image.shape}")
-
-
-class ImageTokens:
-    """Images as tokens for a Qwen2-VL-family policy, with the model's own processor (`AutoProcessor`).
-
-    An image is `<|vision_start|><|image_pad|>...<|image_pad|><|vision_end|>` with t*h*w / merge^2 pads, (t, h, w)
-    being the patch grid the image processor makes of it. vLLM wants prompt ids with ONE pad per image (it expands
-    them; checked: an already expanded prompt is expanded again, silently), while the learner's forward needs the
-    full runs, so episodes keep full runs and :meth:`collapse` makes vLLM's form.
-    """
-
-    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
-
-    def __init__(self, processor):
-        self.image_processor = processor.image_processor
-        self.merge = self.image_processor.merge_size
-        tok = processor.tokenizer
-        self.pad_id, self.start_id, self.end_id, video_id = (tok.convert_tokens_to_ids(t) for t in (
-            "<|image_pad|>", "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"))
-        # Tokens only images may bring: a policy that writes one ends its turn there (see EpisodeRunner), since a
-        # stray pad in the ids would make the learner's forward look for image features that do not exist.
-        self.special_ids = [self.pad_id, self.start_id, self.end_id, video_id]
-
-    @classmethod
-    def for_model(cls, model_path: str) -> ImageTokens | None:
-        """The model's image tokens, or None for a text-only model."""
-        from transformers import AutoConfig, AutoProcessor
-        if not hasattr(AutoConfig.from_pretrained(model_path), "vision_config"):
-            return None
-        return cls(AutoProcessor.from_pretrained(model_path))
-
-    def grid(self, image: np.ndarray) -> tuple[int, int, int]:
-        return tuple(self.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist())
-
-    def expand(self, ids: list[int], grids: list[tuple[int, int, int]]) -> list[int]:
-        """Each single pad of `ids` (one per image, in order) becomes its image's full run of pads."""
-        if ids.count(self.pad_id) != len(grids):
-            raise ValueError(f"{ids.count(self.pad_id)} image placeholders for {len(grids)} images")
-        runs = iter(math.prod(g) // self.merge ** 2 for g in grids)
-        return [x for t in ids for x in ([t] if t != self.pad_id else [t] * next(runs))]
-
-    def collapse(self, ids: list[int]) -> list[int]:
-        """Each run of pads becomes one pad (vLLM's prompt form)."""
-        return [t for i, t in enumerate(ids) if t != self.pad_id or i == 0 or ids[i - 1] != self.pad_id]
-
-    def cut(self, ids: list[int], limit: int) -> int:
-        """The longest prefix length <= limit that does not split an image: a cut inside one drops it whole."""
-        cut, inside = min(limit, len(ids)), None
-        for i, t in enumerate(ids[:cut]):
-            inside = i if t == self.start_id else None if t == self.end_id else inside
-        return cut if inside is None else inside
 
 
 class Environment:

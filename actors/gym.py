@@ -131,6 +131,32 @@ def tool_observation(call: PlannedCall, result: ToolResult | None, error: str | 
     return Observation(text=result.text, record=record, images=list(result.images) if images else [])
 
 
+def plan_call(task: dict, turns: list[dict], action: str, allowed: list[str],
+              max_tool_calls: int) -> PlannedCall | Observation:
+    """The episode rules (module doc) for one action of an episode on `task` with turn records `turns`: a call to run,
+    or the observation that replaces it. Pure: training's environment and the served agent's tools share it."""
+    try:
+        name, raw = parse_tool_call(action)
+    except ToolArgumentError as e:
+        return rejected(str(e))
+    if name not in allowed:
+        known = "is not available here" if name in TOOLS else "does not exist"
+        return rejected(f"tool {name!r} {known}; available tools: {', '.join(allowed)}", name, raw)
+    context = ToolContext.from_task(task)
+    try:
+        call = PlannedCall(name, tool_class(name).validate(raw, context), context)
+    except ToolArgumentError as e:
+        return rejected(str(e), name, raw)
+    executed = [t for t in turns if "tool" in t]
+    if any(t["tool"] == name and t["args"] == call.record_args for t in executed):
+        return rejected(f"{name} was already called with these arguments; the episode ends", name,
+                        call.record_args, finish="repeated_call")
+    if len(executed) >= max_tool_calls:
+        return rejected(f"the limit of {max_tool_calls} tool calls is reached; the episode ends", name,
+                        call.record_args, finish="tool_limit")
+    return call
+
+
 class ToolEnvironment(Environment):
     """Tool calls of a batch of episodes -> one batched call per tool actor (see the module doc). Holds only actor
     handles and settings, so it travels to rollout workers."""
@@ -147,26 +173,7 @@ class ToolEnvironment(Environment):
 
     def plan(self, task: dict, turns: list[dict], action: str) -> PlannedCall | Observation:
         """Check one action against the episode so far: a call to run, or the observation that replaces it."""
-        try:
-            name, raw = parse_tool_call(action)
-        except ToolArgumentError as e:
-            return rejected(str(e))
-        if name not in self.allowed:
-            known = "is not available here" if name in TOOLS else "does not exist"
-            return rejected(f"tool {name!r} {known}; available tools: {', '.join(self.allowed)}", name, raw)
-        context = ToolContext.from_task(task)
-        try:
-            call = PlannedCall(name, tool_class(name).validate(raw, context), context)
-        except ToolArgumentError as e:
-            return rejected(str(e), name, raw)
-        executed = [t for t in turns if "tool" in t]
-        if any(t["tool"] == name and t["args"] == call.record_args for t in executed):
-            return rejected(f"{name} was already called with these arguments; the episode ends", name,
-                            call.record_args, finish="repeated_call")
-        if len(executed) >= self.max_tool_calls:
-            return rejected(f"the limit of {self.max_tool_calls} tool calls is reached; the episode ends", name,
-                            call.record_args, finish="tool_limit")
-        return call
+        return plan_call(task, turns, action, self.allowed, self.max_tool_calls)
 
     def call(self, episodes: list[Episode], actions: list[str]) -> list:
         planned = [self.plan(ep.task, ep.turns, action) for ep, action in zip(episodes, actions)]

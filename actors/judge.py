@@ -62,6 +62,7 @@ class JudgeConfig(BaseModel):
 # ---- strict parsers: text -> value, or None when the text is not exactly what was asked for ----------------------
 _SCORE_LINE = re.compile(r"^(?:[A-Za-z][A-Za-z ]*:\s*)?\**(\d+)\**\.?$")
 _FENCED = re.compile(r"^```(?:json)?\s*\n(.*)\n```$", re.S)
+_VERDICT_LINE = re.compile(r"^(?:[A-Za-z][A-Za-z ]*:\s*)?\**(correct|incorrect)\**\.?$", re.I)
 
 
 def parse_score(text: str, allowed: list[int]) -> int | None:
@@ -70,6 +71,14 @@ def parse_score(text: str, allowed: list[int]) -> int | None:
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
     m = _SCORE_LINE.match(lines[-1]) if lines else None
     return int(m.group(1)) if m and int(m.group(1)) in allowed else None
+
+
+def parse_verdict(text: str) -> bool | None:
+    """"correct" (True) or "incorrect" (False) alone on the last non-empty line, in any case, optionally after a label
+    ("Verdict: Correct."); else None. Reasoning may precede that line."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    m = _VERDICT_LINE.match(lines[-1]) if lines else None
+    return m.group(1).lower() == "correct" if m else None
 
 
 def parse_json(text: str) -> Any | None:
@@ -102,7 +111,8 @@ def parse_triples(text: str, with_source: bool = True) -> list[tuple] | None:
     return triples
 
 
-PARSERS: dict[str, Callable[..., Any]] = {"score": parse_score, "json": parse_json, "triples": parse_triples}
+PARSERS: dict[str, Callable[..., Any]] = {"score": parse_score, "verdict": parse_verdict, "json": parse_json,
+                                          "triples": parse_triples}
 
 
 def parse_with_retries(prompts: list[Messages], generate: Callable[[list[Messages], list[int], float], list[str]],
@@ -214,8 +224,9 @@ class JudgeActor:
         return texts
 
     def judge(self, prompts: list[Messages], parser: str, **parser_args) -> list[Any]:
-        """Parsed judgements, one per prompt: `parser` is a key of PARSERS ("score" with allowed=[...], "json",
-        "triples"); an output that does not parse after max_retries re-samples is None (counted, never raised)."""
+        """Parsed judgements, one per prompt: `parser` is a key of PARSERS ("score" with allowed=[...], "verdict",
+        "json", "triples"); an output that does not parse after max_retries re-samples is None (counted, never
+        raised)."""
         if parser not in PARSERS:
             raise ValueError(f"unknown judge parser {parser!r}; known: {sorted(PARSERS)}")
         start, parse = time.perf_counter(), PARSERS[parser]

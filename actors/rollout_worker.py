@@ -7,9 +7,9 @@ import time
 
 import ray
 
-from actors.environment import (Environment, Episode, EpisodeRunner, Grammar, ImageTokens, derive_seed, rgb_array,
-                                to_trajectory)
+from actors.environment import Environment, Episode, EpisodeRunner, Grammar, derive_seed, rgb_array, to_trajectory
 from actors.hooks import RolloutBatch, RolloutHook
+from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
 from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import report  # noqa: E402
-from learners.evaluate import wilson_interval  # noqa: E402
+from learners.intervals import wilson_interval  # noqa: E402
 
 RUNS = ROOT / "outputs" / "bench_cdir"
 

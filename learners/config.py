@@ -183,6 +183,8 @@ class EvalConfig(Strict):
     batch_size: int = Field(64, ge=1, description="tasks per rollout call on one worker")
     max_turns: int | None = Field(None, ge=0, description="environment calls per episode at evaluation (e.g. 4 "
                                                           "tool calls at inference); null: the grammar's")
+    judge: bool = Field(False, description="grade open answers with the run's JudgeActor (the `judge` section): "
+                                           "judge_accuracy with a Wilson interval, parse failures counted")
 
 
 class WandbConfig(Strict):
@@ -255,6 +257,8 @@ class RunConfig(Strict):
                 raise ValueError(f"stage {stage.name!r}: sft.args set the recipe's demonstration sources "
                                  f"{list(recipe.demonstration_sources)}, not sft.data {stage.sft.data!r}")
         recipe.check(self)
+        if self.eval is not None and self.eval.judge and self.judge is None:
+            raise ValueError("eval.judge needs a `judge` section: the JudgeActor that grades the open answers")
         if self.judge is not None and self.cluster.judge.num != 1:
             raise ValueError("cluster.judge.num must be 1: one JudgeActor serves every reward actor (by name)")
         if self.retrieval is not None and self.cluster.retriever.num != self.retrieval.shards:

@@ -2,14 +2,16 @@
 
     python -m learners.evaluate --config configs/quickstart.yaml --checkpoint outputs/quickstart/checkpoints/latest \
         --data hpo:mcq_test [--limit 200] [--out DIR] [--cdir [--image-index DIR] [--cdir-threshold 0.8]] \
-        [dotted.key=value ...]
+        [--judge] [dotted.key=value ...]
 
 The config supplies the grammar (retrieval, turn limits), resources and sampling length; decoding is greedy.
 Multiple choice: accuracy with a 95% Wilson interval. Closed (yes/no) questions: exact-match `closed_accuracy`, also
-with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval. Both:
-format rate, response length, environment calls and errors per sample. Writes `eval.json`, `eval.md` and
-`samples.jsonl` into --out (default: <run>/eval/checkpoints/<checkpoint>/<split>/ next to the run's checkpoints/,
-never inside a checkpoint, which `checkpoint.keep_last` deletes in time).
+with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval, and with
+`--judge` (or `eval.judge: true`) `judge_accuracy`: the config's JudgeActor says whether each open answer is correct,
+with a Wilson interval and its parse failures counted (learners/judge_eval.py). All: format rate, response length,
+environment calls and errors per sample. Writes `eval.json`, `eval.md` and `samples.jsonl` into --out (default:
+<run>/eval/checkpoints/<checkpoint>/<split>/ next to the run's checkpoints/, never inside a checkpoint, which
+`checkpoint.keep_last` deletes in time).
 
 `--cdir` adds Med-RwR's test-time image re-retrieval (actors/cdir.py) over an image index (`--image-index`, built by
 `python -m actors.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -31,28 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learners.config import load_config  # noqa: E402
-
-
-def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (better than the normal one near 0 and 1)."""
-    if n == 0:
-        return 0.0, 0.0
-    p = successes / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
-
-
-def mean_interval(values: list[float], z: float = 1.96) -> dict:
-    arr = np.asarray(values, dtype=float)
-    half = z * arr.std(ddof=1) / math.sqrt(len(arr)) if len(arr) > 1 else 0.0
-    return {"mean": float(arr.mean()), "low": float(arr.mean() - half), "high": float(arr.mean() + half)}
-
-
-def proportion(flags: list[bool]) -> dict:
-    """A success rate with its 95% Wilson interval and n."""
-    low, high = wilson_interval(sum(flags), len(flags))
-    return {"mean": sum(flags) / len(flags), "low": low, "high": high, "n": len(flags)}
+from learners.intervals import mean_interval, proportion  # noqa: E402
 
 
 def score(trajectories: list, summaries: list[dict]) -> dict:
@@ -73,12 +53,10 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
         metrics["gold_retrieved"] = mean_interval([gold_retrieved(t) for t in with_gold_doc])
     if mcq:
         metrics["accuracy"] = proportion([answer_correct(t) for t in mcq])
-    free = [t for t in trajectories if not t.task.get("options")]
-    is_closed = [(t.task.get("metadata") or {}).get("answer_type") == "closed" for t in free]
-    closed = [t for t, c in zip(free, is_closed) if c]
+    closed = [t for t in trajectories if not t.task.get("options") and is_closed(t.task)]
     if closed:  # yes/no: the answer is right or wrong, so exact match (normalised), not text similarity
         metrics["closed_accuracy"] = proportion([answer_correct(t) for t in closed])
-    open_ended = [t for t, c in zip(free, is_closed) if not c]
+    open_ended = open_questions(trajectories)
     if open_ended:
         from rewards.semantic import load_bertscore, load_encoder
         pairwise = {"bleu1": lambda a, g: [bleu1(x, y) for x, y in zip(a, g)],
@@ -87,6 +65,15 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
         for name, fn in pairwise.items():
             metrics[name] = {**mean_interval(score_against_gold(open_ended, fn)), "n": len(open_ended)}
     return metrics
+
+
+def is_closed(task: dict) -> bool:
+    return (task.get("metadata") or {}).get("answer_type") == "closed"
+
+
+def open_questions(trajectories: list) -> list:
+    """The episodes of open questions: neither multiple choice nor closed (yes/no)."""
+    return [t for t in trajectories if not t.task.get("options") and not is_closed(t.task)]
 
 
 def gold_retrieved(trajectory) -> bool:
@@ -132,7 +119,7 @@ def cdir_markdown(summary: dict) -> str:
 
 def text_only_view(tasks: list[dict], policy_path: str) -> list[dict]:
     """The tasks as a text-only policy reads them: without their images (it cannot take them)."""
-    from actors.environment import ImageTokens
+    from actors.image_tokens import ImageTokens
     return [{**t, "images": []} for t in tasks] if ImageTokens.for_model(policy_path) is None else tasks
 
 
@@ -169,22 +156,32 @@ def greedy_sampling(cfg) -> dict:
 
 
 def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int = 64, cdir: bool = False,
-             image_index: str | None = None, cdir_threshold: float = 0.8, samples: Path | None = None) -> dict:
+             image_index: str | None = None, cdir_threshold: float = 0.8, samples: Path | None = None,
+             judge: bool = False) -> dict:
     """Greedy episodes for every task of `data` on rollout workers loaded from `checkpoint`, then their metrics;
     with `cdir`, Med-RwR's image re-retrieval over `image_index` afterwards, its summary under "cdir". `samples`:
-    a JSONL to write each episode to (task id, gold, the response text, its answer and whether it is correct)."""
+    a JSONL to write each episode to (task id, gold, the response text, its answer and whether it is correct).
+    `judge` (or the config's `eval.judge`): a JudgeActor from the config's `judge` section grades the open answers
+    (learners/judge_eval.py)."""
     import ray
 
     from actors.rollout_worker import RolloutWorker
-    from learners.services import environment_roles, start_environment, tool_demand
+    from learners.judge_eval import judge_open_answers
+    from learners.services import environment_roles, start_environment, start_judge, tool_demand
     from cluster.placement import place
     from cluster.ray_session import start_or_join
     from learners.data import load_tasks
 
+    judge = judge or bool(cfg.eval and cfg.eval.judge)
+    if judge and cfg.judge is None:
+        raise ValueError("judge-graded evaluation needs the config's `judge` section (judge.backend vllm with "
+                         "judge.model_path, or openai with judge.base_url and judge.model)")
     start_or_join(cfg.cluster)
     tasks = load_tasks(data)[:limit]
-    placement = place(cfg.cluster, roles=("rollout",) + environment_roles(cfg), others=tool_demand(cfg))
+    placement = place(cfg.cluster, roles=("rollout",) + environment_roles(cfg) + (("judge",) if judge else ()),
+                      others=tool_demand(cfg))
     environment = start_environment(cfg, placement)
+    judge_actor = start_judge(cfg, placement) if judge else None
     workers = [RolloutWorker.options(**placement.options("rollout", i, f"EvalRolloutWorker-{i}")).remote(
         checkpoint, seed=cfg.seed, threads=cfg.cluster.rollout.threads, dtype=cfg.model.dtype,
         max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
@@ -197,6 +194,8 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
         for traj, task in zip(trajectories, tasks):
             traj.task = task  # scoring and CDIR read the task as written, images included
         metrics = score(trajectories, summaries)
+        if judge_actor is not None:
+            metrics.update(judge_open_answers(open_questions(trajectories), judge_actor))
         if samples is not None:
             write_samples(samples, trajectories)
         if cdir:
@@ -213,7 +212,7 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
             metrics["cdir"]["image_index"] = index_dir
     finally:
         for actor in workers + (environment.actors() if environment else []) + \
-                ([image_retriever] if image_retriever else []):
+                [a for a in (image_retriever, judge_actor) if a is not None]:
             ray.kill(actor)
         placement.remove()
     return metrics
@@ -254,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image-index", default=None, help="image index dir (python -m actors.image_index); "
                                                             "default: the imaging world's, built on first use")
     parser.add_argument("--cdir-threshold", type=float, default=0.8, help="re-retrieve when confidence is below")
+    parser.add_argument("--judge", action="store_true", help="grade open answers with the config's judge "
+                                                             "(judge_accuracy)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
     if (args.image_index or args.cdir_threshold != 0.8) and not args.cdir:
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else default_out(cfg, args.checkpoint, args.data)
     out.mkdir(parents=True, exist_ok=True)
     metrics = evaluate(cfg, args.checkpoint, args.data, args.limit, cdir=args.cdir, image_index=args.image_index,
-                       cdir_threshold=args.cdir_threshold, samples=out / "samples.jsonl")
+                       cdir_threshold=args.cdir_threshold, samples=out / "samples.jsonl", judge=args.judge)
     title = f"{args.checkpoint} on {args.data}"
     write_report(out, metrics, title, {"checkpoint": args.checkpoint, "data": args.data})
     print(markdown(metrics, title))

@@ -25,6 +25,7 @@ import json
 import sys
 from pathlib import Path
 
+from actors.image_tokens import image_layout
 from tasks.files import write_jsonl
 
 
@@ -108,8 +109,11 @@ def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | No
         if info["record"].get("error") is not None or done:
             raise RuntimeError(f"task {task['id']}: the expert's {call['name']} call failed: {observation.text}")
         if observation.images:  # shown to the policy as the runner shows them: image placeholders, then the text
-            from actors.environment import ImageTokens
-            body = ImageTokens.placeholder * len(observation.images) + observation.text
+            layout = image_layout(tokenizer.name_or_path)
+            if layout is None:
+                raise ValueError(f"task {task['id']}: {call['name']} shows images but the policy "
+                                 f"{tokenizer.name_or_path} is text-only")
+            body = layout.placeholder * len(observation.images) + observation.text
             segment = {"role": "environment", "text": grammar.wrap_observation(body)}
         else:
             segment = {"role": "environment", "text": cut_observation(grammar, observation.text, tokenizer)}

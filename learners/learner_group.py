@@ -10,7 +10,7 @@ import time
 import ray
 import torch
 
-from actors.environment import ImageTokens
+from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, fast_bfloat16, init_deepspeed_distributed, pin_threads, resolve_compute_dtype
 from cluster.ray_session import ACTOR_LOST, wait_until_ready

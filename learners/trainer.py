@@ -16,7 +16,8 @@ import ray
 import torch
 import yaml
 
-from actors.environment import ImageTokens, derive_seed
+from actors.environment import derive_seed
+from actors.image_tokens import ImageTokens
 from actors.rollout_worker import RolloutWorker
 from learners.services import (count_restarts, service_actors, service_roles, start_environment, start_judge,
                                tool_demand)
@@ -284,7 +285,10 @@ class Trainer:
     def validate(self) -> dict:
         """The eval section's splits on the rollout workers, under the weights they hold now."""
         start = time.perf_counter()
-        record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump())
+        record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump(),
+                                    self.judge)
+        if self.judge is not None and self.cfg.eval.judge:  # the evaluation's judging is not the next step's
+            self.judge_counts = ray.get(self.judge.stats.remote())
         return {**record, "eval_s": time.perf_counter() - start}
 
     def run_grpo(self, end: int, bar) -> list[dict]:

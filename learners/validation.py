@@ -12,11 +12,13 @@ from pathlib import Path
 
 from learners.config import RunConfig
 from learners.data import load_tasks
-from learners.evaluate import (eval_grammar, greedy_sampling, run_episodes, score, split_dir_name, text_only_view,
-                               write_report, write_samples)
+from learners.evaluate import (eval_grammar, greedy_sampling, open_questions, run_episodes, score, split_dir_name,
+                               text_only_view, write_report, write_samples)
+from learners.judge_eval import judge_open_answers
 
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
-LOGGED = ("accuracy", "format_rate", "gold_retrieved", "env_calls_per_sample", "response_length")
+LOGGED = ("accuracy", "closed_accuracy", "judge_accuracy", "judge_parse_failures", "format_rate", "gold_retrieved",
+          "env_calls_per_sample", "response_length")
 
 log = logging.getLogger("medray.eval")
 
@@ -34,14 +36,17 @@ class Validator:
         every = self.cfg.eval.every
         return bool(every and step % every == 0) or (self.cfg.eval.at_end and step == self.cfg.total_steps)
 
-    def run(self, workers: list, step: int, grammar: dict) -> dict:
-        """Greedy episodes of every split under the workers' current weights; returns eval/<split>/<metric>."""
+    def run(self, workers: list, step: int, grammar: dict, judge=None) -> dict:
+        """Greedy episodes of every split under the workers' current weights; returns eval/<split>/<metric>. With
+        `eval.judge`, `judge` (the run's JudgeActor) grades the open answers."""
         record = {}
         for split, tasks in self.splits.items():
             trajectories, summaries = run_episodes(workers, tasks, greedy_sampling(self.cfg), self.cfg.seed,
                                                    self.cfg.eval.batch_size, eval_grammar(self.cfg, grammar),
                                                    desc=f"eval {split}")
             metrics = score(trajectories, summaries)
+            if self.cfg.eval.judge:
+                metrics.update(judge_open_answers(open_questions(trajectories), judge))
             where = self.out / "eval" / f"step_{step}" / split_dir_name(split)
             write_report(where, metrics, f"step {step} on {split}", {"step": step, "data": split})
             write_samples(where / "samples.jsonl", trajectories)

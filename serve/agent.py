@@ -1,8 +1,12 @@
-"""Agent mode: the medical reasoning-with-retrieval loop on a served request.
+"""Agent mode: the served policy's multi-turn loop, with retrieval or with tools, on a served request.
 
-The same grammar as training (`actors.environment.Grammar`): the model writes until it closes the action tag
-(`</query>`), the query goes to the retriever, the hits come back inside the observation tag (`<retrieve>...`) and the
-model continues, until it closes `</answer>`, runs out of turns or of its token budget.
+The same grammar as training (`actors.environment.Grammar`): the model writes until it closes the action tag, the
+action goes to the environment (an `Observe`), its observation comes back inside the observation tag and the model
+continues, until it closes `</answer>`, runs out of turns or of its token budget, or the environment ends the episode.
+Two environments: retrieval (`retrieval_observer`: `</query>` -> hits in `<retrieve>...`, as the Retriever shows them in
+training) and tools (`serve.tools`: `<tool_call>{"name", "arguments"}</tool_call>` -> the tool's text and images in
+`<tool_response>...`, with the Gym's checks and records). Observation images join the request's images: the prompt
+holds one placeholder per image (vLLM's form) and the room left counts the tokens each expands to.
 
 CDIR (Med-RwR's test-time image re-retrieval, `actors/cdir.py`): when the request's image and an image search are
 given, the answer's confidence (the probability of the option token after `<answer>`, from the engine's log-prob of
@@ -10,26 +14,71 @@ the sampled token: vLLM's default `raw_logprobs`, the model's own distribution w
 threshold drops the answer turn, shows the most similar image-caption case as an observation, and answers again.
 The trace carries the confidence and, whenever CDIR was asked for, its record: `{"fired", "threshold"}`, plus the case
 (`case_id`, `caption`, `score`) and `confidence_after` when it fired (or `error` when the image search failed).
+
+Streaming (`stream_agent`): one `chat.completion.chunk` per event, as it happens: each model turn's text and each
+observation in `delta.reasoning_content` (their concatenation is the transcript, with any answer turn CDIR dropped),
+the event itself in the chunk's `agent` field (`{"kind": "model" | "observation" | "cdir", "turn", ...}`); then the
+answer in `delta.content`, the finish reason (with the trace when asked), usage when asked, and `[DONE]`.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import math
 import re
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
-from actors.environment import Grammar, retrieval_text, turn_seed
+from PIL import Image
+
+from actors.environment import Grammar, retrieval_text, rgb_array, turn_seed
 from actors.cdir import THRESHOLD, answer_confidence, case_text, cdir_fires, token_pieces
+from actors.image_tokens import ImageTokens
+from serve.protocol import APIError, chunk, sse, usage, usage_chunk
 
-# (prompt ids, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None, log-probs of
-# the token ids)
-Generate = Callable[[list[int], int, list[str], int | None],
+log = logging.getLogger("medray.serve")
+
+# (prompt ids, images, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None,
+# log-probs of the token ids)
+Generate = Callable[[list[int], list, int, list[str], int | None],
                     Awaitable[tuple[str, list[int], str | None, list[float]]]]
 # (queries, top_k) -> hits per query, each a dict with at least "id" and "text"
 Search = Callable[[list[str], int], Awaitable[list[list[dict]]]]
 # (images, top_k) -> image-caption hits per image, each {id, image_path, caption, score} (actors.image_index)
 SearchImages = Callable[[list, int], Awaitable[list[list[dict]]]]
+# receives each event of an episode as it happens: {"kind": "model" | "observation" | "cdir", "turn", "text", ...}
+Emit = Callable[[dict], None]
+
+
+def ignore(event: dict) -> None:
+    """The Emit of an episode nobody watches turn by turn."""
+
+
+@dataclass
+class Step:
+    """The environment's answer to one action: the text the model reads (after the `images`, RGB arrays), the turn's
+    record for the trace, and whether it ends the episode (then `record["finish"]` says why)."""
+    text: str
+    record: dict
+    images: list = field(default_factory=list)
+    done: bool = False
+
+
+# (the action's text, the episode's turn records so far) -> the observation
+Observe = Callable[[str, list[dict]], Awaitable[Step]]
+
+
+def retrieval_observer(search: Search, top_k: int, timeout_s: float, show: str = "passages",
+                       options: dict[str, str] | None = None) -> Observe:
+    """Retrieval as training showed it (`actors.environment.retrieval_text`: `show`, and with `options`, a
+    multiple-choice question's {letter: text}, each hit named like an option is linked to it); a failed search is an
+    observation the model reads, not a failed request."""
+    async def observe(query: str, turns: list[dict]) -> Step:
+        hits, error = await _search(search, query, top_k, timeout_s)
+        return Step(retrieval_text(hits, error, show=show, options=options),
+                    {"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
+    return observe
 
 
 @dataclass
@@ -44,9 +93,9 @@ class Cdir:
 class AgentResult:
     answer: str | None
     finish: str                                     # answer, turn_limit, budget, length, stop
-    transcript: str                                 # everything after the prompt: the model's and the retriever's
+    transcript: str                                 # everything after the prompt: the model's and the environment's
     completion_tokens: int                          # tokens the model wrote
-    turns: list[dict] = field(default_factory=list)  # per retrieval: query, chunk ids, error
+    turns: list[dict] = field(default_factory=list)  # per action: its record (retrieval: query, chunk ids, error)
     confidence: float | None = None                 # of the first answer (CDIR's eta), None without one
     cdir: dict | None = None                        # fired, threshold, the case, confidence after; None: not asked
 
@@ -54,70 +103,103 @@ class AgentResult:
         return {"finish": self.finish, "turns": self.turns, "transcript": self.transcript,
                 "completion_tokens": self.completion_tokens, "confidence": self.confidence, "cdir": self.cdir}
 
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason: "stop" with an answer, else "length" (turns, tokens or context ran out)."""
+        return "stop" if self.answer is not None else "length"
 
-async def run_agent(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int], *,
-                    prefix: str = "", max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                    timeout_s: float, cdir: Cdir | None = None, show: str = "passages",
-                    options: dict[str, str] | None = None) -> AgentResult:
-    """Drive one episode. Hits are shown as training showed them (`actors.environment.retrieval_text`: `show`, and
-    with `options`, a multiple-choice question's {letter: text}, each hit named like an option is linked to it). `prefix` is text already in the prompt that belongs to the model's first turn (a continued
-    assistant message), so a query it opened is closed by the first generation. `max_tokens` bounds the model's
-    tokens; the grammar's `max_response_tokens` bounds model and retriever tokens together. `cdir`: re-retrieve by
-    image when the answer's confidence is below its threshold (an episode that ends without an answer has no
-    confidence, and CDIR does not fire)."""
-    result = await _episode(generate, search, tokenizer, grammar, prompt_ids, prefix, max_tokens, max_model_len,
-                            stop, seed, timeout_s, cdir, show, options)
+
+async def run_agent(generate: Generate, observe: Observe, tokenizer, grammar: Grammar, prompt_ids: list[int], *,
+                    images: list = (), vision: ImageTokens | None = None, prefix: str = "", max_tokens: int,
+                    max_model_len: int, stop: list[str], seed: int | None, timeout_s: float, cdir: Cdir | None = None,
+                    emit: Emit = ignore) -> AgentResult:
+    """Drive one episode over `prompt_ids` (one placeholder per image of `images`; `max_model_len` already less the
+    tokens they expand to). `prefix` is text already in the prompt that belongs to the model's first turn (a
+    continued assistant message), so an action it opened is closed by the first generation. `max_tokens` bounds the
+    model's tokens; the grammar's `max_response_tokens` bounds model and environment tokens together. `vision`: the
+    policy's image tokens, needed when observations carry images. `cdir`: re-retrieve by image when the answer's
+    confidence is below its threshold (an episode that ends without an answer has no confidence, and CDIR does not
+    fire). `emit` sees each model turn and observation as it happens."""
+    result = await _episode(generate, observe, tokenizer, grammar, prompt_ids, list(images), vision, prefix,
+                            max_tokens, max_model_len, stop, seed, timeout_s, cdir, emit)
     if cdir is not None and result.cdir is None:
         result = dataclasses.replace(result, cdir={"fired": False, "threshold": cdir.threshold})
     return result
 
 
-async def _episode(generate: Generate, search: Search, tokenizer, grammar: Grammar, prompt_ids: list[int],
-                   prefix: str, max_tokens: int, max_model_len: int, stop: list[str], seed: int | None,
-                   timeout_s: float, cdir: Cdir | None, show: str, options: dict[str, str] | None) -> AgentResult:
+async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Grammar, prompt_ids: list[int],
+                   images: list, vision: ImageTokens | None, prefix: str, max_tokens: int, max_model_len: int,
+                   stop: list[str], seed: int | None, timeout_s: float, cdir: Cdir | None, emit: Emit) -> AgentResult:
     """The loop of :func:`run_agent`; its result has a CDIR record only when the episode answered."""
     ids, transcript, segment = list(prompt_ids), "", prefix
-    written, turns = 0, []
+    written, turns, image_tokens = 0, [], 0  # image_tokens: what observation images expand to beyond their pads
     stops = sorted(set(stop) | set(grammar.stops()))
     while True:
-        room = min(max_tokens - written, grammar.max_response_tokens - (len(ids) - len(prompt_ids)),
-                   max_model_len - len(ids))
+        used = len(ids) + image_tokens
+        room = min(max_tokens - written, grammar.max_response_tokens - (used - len(prompt_ids)), max_model_len - used)
         if room <= 0:
             return AgentResult(None, "budget", transcript, written, turns)
         turn_sampling_seed = None if seed is None else turn_seed(seed, len(turns))
         turn_start = len(ids), len(transcript)
-        text, new_ids, stopped_by, logprobs = await generate(ids, room, stops, turn_sampling_seed)
+        text, new_ids, stopped_by, logprobs = await generate(ids, images, room, stops, turn_sampling_seed)
         ids += new_ids
         transcript += text
         segment += text
         written += len(new_ids)
+        emit({"kind": "model", "turn": len(turns), "text": text})
         if stopped_by == f"</{grammar.answer_tag}>":
             confidence = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
                                            grammar.answer_tag)
             result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns,
                                  confidence, None if cdir is None else {"fired": False, "threshold": cdir.threshold})
             if cdir is not None and cdir_fires(confidence, cdir.threshold):
-                return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]],
-                                       transcript[:turn_start[1]], prefix, max_tokens, max_model_len, stop,
-                                       turn_sampling_seed, timeout_s)
+                return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]], images,
+                                       transcript[:turn_start[1]], prefix, max_tokens, max_model_len - image_tokens,
+                                       stop, turn_sampling_seed, timeout_s, emit)
             return result
         if stopped_by != grammar.action_close:
             return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
         if len(turns) >= grammar.max_turns:
             return AgentResult(None, "turn_limit", transcript, written, turns)
-        query = grammar.action_text(segment)
-        hits, error = await _search(search, query, grammar.top_k, timeout_s)
-        turns.append({"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
-        observation = grammar.wrap_observation(retrieval_text(hits, error, show=show, options=options))
-        observation_ids = tokenizer.encode(observation, add_special_tokens=False)[:grammar.max_observation_tokens]
+        step = await observe(grammar.action_text(segment), turns)
+        turns.append(step.record)
+        observation_ids, kept, expanded = observation_tokens(step, grammar, tokenizer, vision)
         ids += observation_ids
-        transcript += tokenizer.decode(observation_ids, skip_special_tokens=False)
+        images += kept
+        image_tokens += expanded
+        shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
+        transcript += shown
+        emit({"kind": "observation", **step.record, "turn": len(turns) - 1, "images": len(kept), "text": shown})
+        if step.done:
+            return AgentResult(None, step.record.get("finish", "environment"), transcript, written, turns)
         segment = ""
 
 
+def observation_tokens(step: Step, grammar: Grammar, tokenizer, vision: ImageTokens | None) -> tuple[list[int], list,
+                                                                                                      int]:
+    """The observation's ids in vLLM's form (one pad per image), the images they keep and the tokens those expand to
+    beyond their pads. As in training (`EpisodeRunner.observation_ids`): the images first inside the observation
+    tags, then the text, at most `max_observation_tokens` counted with every image expanded; an image that does not
+    fit is dropped whole."""
+    limit = grammar.max_observation_tokens
+    if not step.images:
+        return tokenizer.encode(grammar.wrap_observation(step.text), add_special_tokens=False)[:limit], [], 0
+    if vision is None:
+        raise ValueError(f"the environment returned {len(step.images)} images, but the served model is text-only")
+    images = [rgb_array(image) for image in step.images]
+    grids = [vision.grid(image) for image in images]
+    text = grammar.wrap_observation(vision.placeholder * len(images) + step.text)
+    full = vision.expand(tokenizer.encode(text, add_special_tokens=False), grids)
+    full = full[:vision.cut(full, limit)]
+    kept = full.count(vision.start_id)
+    return vision.collapse(full), [Image.fromarray(image) for image in images[:kept]], \
+        sum(math.prod(g) // vision.merge ** 2 - 1 for g in grids[:kept])
+
+
 async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
-                    history_ids: list[int], history: str, prefix: str, max_tokens: int, max_model_len: int,
-                    stop: list[str], seed: int | None, timeout_s: float) -> AgentResult:
+                    history_ids: list[int], images: list, history: str, prefix: str, max_tokens: int,
+                    max_model_len: int, stop: list[str], seed: int | None, timeout_s: float,
+                    emit: Emit) -> AgentResult:
     """Eqn. 7 of Med-RwR: the answer turn is dropped, the most similar image-caption case joins the context after
     the reasoning history, and the model answers once more (the dropped turn's tokens still count as written). A
     failed image search keeps the first answer."""
@@ -129,7 +211,9 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     observation_ids = tokenizer.encode(grammar.wrap_observation(case_text(hit)),
                                        add_special_tokens=False)[:grammar.max_observation_tokens]
     ids = history_ids + observation_ids
-    transcript = history + tokenizer.decode(observation_ids, skip_special_tokens=False)
+    shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
+    transcript = history + shown
+    emit({"kind": "cdir", "turn": len(first.turns), "case_id": hit["id"], "text": shown})
     written = first.completion_tokens
     room = min(max_tokens - written, max_model_len - len(ids))
     record = {"fired": True, "threshold": cdir.threshold, "case_id": hit["id"], "caption": hit["caption"],
@@ -137,8 +221,9 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     if room <= 0:
         return dataclasses.replace(first, cdir={**record, "error": "no room to answer again"})
     text, new_ids, stopped_by, logprobs = await generate(
-        ids, room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
+        ids, images, room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
     transcript += text
+    emit({"kind": "model", "turn": len(first.turns), "text": text})
     answered = stopped_by == f"</{grammar.answer_tag}>"
     record["confidence_after"] = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
                                                    grammar.answer_tag) if answered else None
@@ -163,3 +248,40 @@ async def _search(search: Search, query: str, top_k: int, timeout_s: float) -> t
 def _answer(text: str, grammar: Grammar) -> str | None:
     found = re.findall(rf"<{grammar.answer_tag}>(.*?)</{grammar.answer_tag}>", text, flags=re.S)
     return found[-1].strip() if found else None
+
+
+def final_chunks(cid: str, model: str, result: AgentResult, trace: bool, prompt_tokens: int,
+                 include_usage: bool) -> list[dict]:
+    """The chunks after the episode's events: the answer, the finish reason (with the trace, if asked) and usage."""
+    events = [chunk(cid, model, {"content": result.answer or ""}),
+              chunk(cid, model, {}, result.finish_reason, **({"trace": result.trace()} if trace else {}))]
+    return events + ([usage_chunk(cid, model, usage(prompt_tokens, result.completion_tokens))] if include_usage
+                     else [])
+
+
+async def stream_agent(episode: Callable[[Emit], Awaitable[AgentResult]], cid: str, model: str, *, trace: bool,
+                       prompt_tokens: int, include_usage: bool,
+                       finished: Callable[[AgentResult], None]) -> AsyncIterator[str]:
+    """Server-sent events of one agent episode (`episode(emit)`), each turn's chunk as soon as the turn ends (see the
+    module docstring), then `final_chunks` and `[DONE]`; `finished` gets the result. A client that goes away
+    cancels the episode; an episode that fails ends the stream with an error event."""
+    queue: asyncio.Queue = asyncio.Queue()
+    task = asyncio.ensure_future(episode(queue.put_nowait))
+    task.add_done_callback(lambda _: queue.put_nowait(None))
+    try:
+        yield sse(chunk(cid, model, {"role": "assistant", "content": ""}))
+        while (event := await queue.get()) is not None:
+            shown = {k: v for k, v in event.items() if k != "text"}
+            yield sse(chunk(cid, model, {"reasoning_content": event["text"]}, agent=shown))
+        try:
+            result = task.result()
+        except Exception as e:  # noqa: BLE001  headers are sent: the error travels as an event
+            log.exception("agent stream %s failed", cid)
+            yield sse(APIError(500, f"agent episode failed: {type(e).__name__}").body())
+        else:
+            finished(result)
+            for event in final_chunks(cid, model, result, trace, prompt_tokens, include_usage):
+                yield sse(event)
+        yield sse("[DONE]")
+    finally:
+        task.cancel()

@@ -11,109 +11,34 @@ fields; nested ones as dotted keys (`engine.max_model_len=512`, `agent.index_dir
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import itertools
-import json
 import logging
 import time
 
 import ray
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Request
+from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from actors.environment import ImageTokens
-from serve.agent import Cdir, run_agent
+from actors.image_tokens import ImageTokens
+from serve.agent import Cdir, retrieval_observer, run_agent, stream_agent
+from serve.api import api, read_body
 from serve.config import ServeSettings, key_digest
-from serve.engine import EnginePrompt, RequestRejectedError, start_engine
+from serve.engine import EnginePrompt, start_engine
 from serve.images import load_image
 from serve.metrics import serve_metrics
 from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completion, completion_id, decode_body,
-                            finish_reason, parse_request, usage, usage_chunk)
+                            finish_reason, parse_request, sse, usage, usage_chunk)
 from serve.retrievers import CONSTRUCTOR_RETRIES, ImageRetrieverServer, RetrieverServer
+from serve.tools import ToolServer, tool_observer
 from tasks.schema import parse_option_listing
 
 log = logging.getLogger("medray.serve")
 
-ROUTES = ("/health", "/v1/models", "/v1/chat/completions")
 HEALTH_TIMEOUT_S = 5.0
-
-api = FastAPI(title="medray", docs_url=None, redoc_url=None, openapi_url=None)
-
-
-def error_response(error: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-@api.exception_handler(APIError)
-async def _api_error(request: Request, error: APIError) -> JSONResponse:
-    return error_response(error)
-
-
-@api.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
-    message = "no such route" if error.status_code == 404 else str(error.detail)
-    return error_response(APIError(error.status_code, message))
-
-
-@api.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
-    return error_response(APIError(400, f"invalid request: {error.errors()[:3]}"))
-
-
-@api.exception_handler(RequestRejectedError)
-async def _rejected(request: Request, error: RequestRejectedError) -> JSONResponse:
-    return error_response(APIError(400, f"the engine refused the request: {error}"))
-
-
-@api.exception_handler(Exception)
-async def _unexpected_error(request: Request, error: Exception) -> JSONResponse:
-    log.exception("%s %s failed", request.method, request.url.path)
-    return error_response(APIError(500, f"internal error ({type(error).__name__}); the server is still up"))
-
-
-class CountRequests:
-    """Counts responses by route and status. A plain ASGI middleware: Starlette's `@app.middleware` re-wraps every
-    response in memory streams, a cost per request that shows when the replica shares its cores with the engine."""
-
-    def __init__(self, app):
-        self.app = app
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                serve_metrics().request(route, message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        except Exception:
-            serve_metrics().request(route, 500)
-            raise
-
-
-api.add_middleware(CountRequests)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it (or its declared length) passes `limit` bytes."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise APIError(413, f"request body is larger than {limit} bytes", code="request_too_large")
-    return bytes(body)
 
 
 def last_user_text(req: ChatRequest) -> str:
@@ -122,26 +47,23 @@ def last_user_text(req: ChatRequest) -> str:
     return content if isinstance(content, str) else "\n".join(p.text or "" for p in content if p.type == "text")
 
 
-def sse(event: dict | str) -> str:
-    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
-
-
 # Everything ChatServer's methods call is defined above it: Serve pickles the class by value when it is decorated.
 @serve.deployment(name="ChatServer", ray_actor_options={"num_cpus": 1}, max_ongoing_requests=64,
                   health_check_period_s=10, health_check_timeout_s=60, max_constructor_retry_count=CONSTRUCTOR_RETRIES)
 @serve.ingress(api)
 class ChatServer:
-    """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever is bound, CDIR in it when an
-    image retriever is too."""
+    """One vLLM engine per replica behind the OpenAI routes; agent mode when a retriever or the tools are bound, CDIR
+    in it when an image retriever is too."""
 
     def __init__(self, settings: dict, api_key_digest: bytes, retriever: DeploymentHandle | None = None,
-                 image_retriever: DeploymentHandle | None = None):
+                 image_retriever: DeploymentHandle | None = None, tools: DeploymentHandle | None = None):
         from transformers import AutoTokenizer
 
         self.settings = ServeSettings.model_validate(settings)
         self.limits = self.settings.limits
         self.key_digest = api_key_digest
-        self.retriever, self.image_retriever = retriever, image_retriever
+        self.retriever, self.image_retriever, self.tools = retriever, image_retriever, tools
+        self.environment = tools or retriever  # what agent mode's actions go to; None: no agent mode
         self.device = "cuda" if ray.get_gpu_ids() else "cpu"
         num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         self.vision = ImageTokens.for_model(self.settings.checkpoint)  # None: a text-only checkpoint
@@ -158,19 +80,20 @@ class ChatServer:
 
     @api.get("/health")
     async def health(self) -> dict:
-        """200 once this replica's engine and, in agent mode, a retriever replica answer; 503 until then."""
+        """200 once this replica's engine and, in agent mode, a retriever or tools replica answer; 503 until then."""
         await self.engine.check_health()
-        if self.retriever is not None:
+        if self.environment is not None:
             try:
-                await asyncio.wait_for(self.retriever.ready.remote(), HEALTH_TIMEOUT_S)
+                await asyncio.wait_for(self.environment.ready.remote(), HEALTH_TIMEOUT_S)
             except Exception as e:  # noqa: BLE001  starting, restarting or failed: not ready either way
-                raise APIError(503, f"the retriever is not ready ({type(e).__name__})", code="not_ready") from None
+                what = "tools are" if self.tools else "retriever is"
+                raise APIError(503, f"the {what} not ready ({type(e).__name__})", code="not_ready") from None
         return {"status": "ok"}
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> dict:
         self.authenticate(request)
-        ids = [self.settings.model_name] + ([self.settings.agent_model_name] if self.retriever else [])
+        ids = [self.settings.model_name] + ([self.settings.agent_model_name] if self.environment else [])
         return {"object": "list", "data": [{"id": i, "object": "model", "created": 0, "owned_by": "medray"}
                                            for i in ids]}
 
@@ -212,8 +135,9 @@ class ChatServer:
             raise APIError(404, f"model {req.model!r} does not exist; this server has {name!r} and "
                                 f"{self.settings.agent_model_name!r}", param="model", code="model_not_found")
         agent = req.model == self.settings.agent_model_name or req.agent is not None
-        if agent and self.retriever is None:
-            raise APIError(400, "agent mode needs a retriever: start the app with agent.index_dir=<index>",
+        if agent and self.environment is None:
+            raise APIError(400, "agent mode needs a retriever or tools: start the app with agent.index_dir=<index> "
+                                "or agent.tools (or from a checkpoint whose run used them)",
                            param="model")
         return agent
 
@@ -327,17 +251,18 @@ class ChatServer:
 
     async def agent_completion(self, req: ChatRequest, cid: str, prompt: EnginePrompt, max_tokens: int,
                                started: float):
-        """Run the retrieval loop to the end, then answer (as one completion, or as a short event stream). With an
-        image retriever and an image in the request, CDIR re-retrieves by the first image on a low-confidence
-        answer."""
+        """Run the agent loop (retrieval, or the tools): to the end, then answer as one completion; or streamed turn
+        by turn (`serve.agent.stream_agent`). With an image retriever and an image in the request, CDIR re-retrieves by the
+        first image on a low-confidence answer."""
         asked = req.agent or AgentOptions()
         grammar = self.settings.agent.grammar.model_copy(update={
             k: v for k, v in {"max_turns": asked.max_turns, "top_k": asked.top_k}.items() if v is not None})
         turn_ids = itertools.count()
 
-        async def generate(ids: list[int], budget: int, stops: list[str], seed: int | None):
+        async def generate(ids: list[int], images: list, budget: int, stops: list[str], seed: int | None):
             params = self.sampling(req, budget, delta=False, agent_stops=stops, seed=seed)
-            async for output in self.engine.generate(prompt.to_vllm(ids), params, f"{cid}-{next(turn_ids)}"):
+            async for output in self.engine.generate(prompt.to_vllm(ids, images), params,
+                                                     f"{cid}-{next(turn_ids)}"):
                 seq = output.outputs[0]
             stopped_by = seq.stop_reason if isinstance(seq.stop_reason, str) else None
             return seq.text, list(seq.token_ids), stopped_by, [lp[t].logprob for lp, t in zip(seq.logprobs,
@@ -353,26 +278,33 @@ class ChatServer:
             if self.image_retriever is not None and prompt.images else None
         prefix = req.messages[-1].content if req.continue_final_message else ""
         agent = self.settings.agent
-        options = parse_option_listing(last_user_text(req)) if agent.link_options else None
+        observe = tool_observer(self.tools, prompt.images, agent.tool_timeout_s) if self.tools else \
+            retrieval_observer(search, grammar.top_k, agent.retrieval_timeout_s, agent.show,
+                               parse_option_listing(last_user_text(req)) if agent.link_options else None)
         # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
-        result = await run_agent(generate, search, self.tokenizer, grammar, prompt.ids,
-                                 prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
-                                 max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
-                                 stop=req.stop_list, seed=req.seed, timeout_s=agent.retrieval_timeout_s,
-                                 cdir=cdir, show=agent.show, options=options)
-        self.metrics.agent_turns(result.turns)
-        self.metrics.finished("agent", req.stream, time.perf_counter() - started, prompt.num_tokens,
-                              result.completion_tokens)
-        reason = "stop" if result.answer is not None else "length"
-        extra = {"trace": result.trace()} if asked.trace else {}
-        token_usage = usage(prompt.num_tokens, result.completion_tokens)
-        if not req.stream:
-            return completion(cid, req.model, result.answer or "", reason, token_usage, **extra)
-        events = [chunk(cid, req.model, {"role": "assistant", "content": result.answer or ""}),
-                  chunk(cid, req.model, {}, reason, **extra)]
-        if req.stream_options and req.stream_options.include_usage:
-            events.append(usage_chunk(cid, req.model, token_usage))
-        return StreamingResponse(iter([sse(e) for e in events] + [sse("[DONE]")]), media_type="text/event-stream")
+        episode = functools.partial(run_agent, generate, observe, self.tokenizer, grammar, prompt.ids,
+                                    images=prompt.images, vision=self.vision,
+                                    prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
+                                    max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
+                                    stop=req.stop_list, seed=req.seed, timeout_s=agent.retrieval_timeout_s,
+                                    cdir=cdir)
+
+        def finished(result) -> None:
+            self.metrics.agent_turns(result.turns)
+            self.metrics.finished("agent", req.stream, time.perf_counter() - started, prompt.num_tokens,
+                                  result.completion_tokens)
+
+        if req.stream:
+            return StreamingResponse(stream_agent(lambda emit: episode(emit=emit), cid, req.model, trace=asked.trace,
+                                                  prompt_tokens=prompt.num_tokens, finished=finished,
+                                                  include_usage=bool(req.stream_options
+                                                                     and req.stream_options.include_usage)),
+                                     media_type="text/event-stream")
+        result = await episode()
+        finished(result)
+        return completion(cid, req.model, result.answer or "", result.finish_reason,
+                          usage(prompt.num_tokens, result.completion_tokens),
+                          **({"trace": result.trace()} if asked.trace else {}))
 
 
 def app(args: dict) -> serve.Application:
@@ -384,9 +316,10 @@ def app(args: dict) -> serve.Application:
     digest = settings.api_key_digest()
     settings = settings.resolved()
     agent = settings.agent
-    retriever = RetrieverServer.bind(agent.index_dir, agent.retrieval) if agent.enabled else None
+    tools = ToolServer.bind(agent.tools, agent.index_dir, agent.retrieval) if agent.enabled and agent.tools else None
+    retriever = RetrieverServer.bind(agent.index_dir, agent.retrieval) if agent.enabled and not agent.tools else None
     image_retriever = ImageRetrieverServer.bind(agent.image_index_dir) if agent.image_index_dir else None
-    return ChatServer.bind(settings.model_dump(), digest, retriever, image_retriever)
+    return ChatServer.bind(settings.model_dump(), digest, retriever, image_retriever, tools)
 
 
 def nest_dotted(args: dict) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from actors.environment import Grammar
 from actors.cdir import THRESHOLD
@@ -52,10 +52,16 @@ class Limits(Strict):
 
 
 class AgentSettings(Strict):
-    """Agent mode: the reasoning-with-retrieval loop, selected per request by model id `<name>-agent` or an
-    `agent` field in the request. Every field left unset is taken from the run that wrote the checkpoint (its
-    `run.yaml`, or the run directory's `config.yaml`), so the served agent reads hits as the policy was trained to."""
-    enabled: bool | None = Field(None, description="none: whenever the run used retrieval or index_dir is given")
+    """Agent mode: the policy's multi-turn loop with retrieval or with tools, selected per request by model id
+    `<name>-agent` or an `agent` field in the request. Every field left unset is taken from the run that wrote the
+    checkpoint (its `run.yaml`, or the run directory's `config.yaml`), so the served agent reads hits and tool
+    results as the policy was trained to."""
+    enabled: bool | None = Field(None, description="none: whenever the run used retrieval or tools with an action "
+                                                   "tag, or index_dir is given")
+    tools: dict | None = Field(None, description="actors.gym.ToolsConfig fields (the tool Gym: MedVR, MedVistaGym); "
+                                                 "none: the run's tools section. With tools, actions go to the "
+                                                 "tools (retrieve_knowledge searches index_dir)")
+    tool_timeout_s: float = Field(60.0, gt=0, description="seconds to wait for one tool call")
     index_dir: str | None = Field(None, description="retrieval index (python -m actors.build_index); "
                                                     "none: the run's index")
     retrieval: dict | None = Field(None, description="actors.retriever.RetrievalConfig fields; none: the run's search "
@@ -74,6 +80,7 @@ class AgentSettings(Strict):
 
 
 DEFAULT_GRAMMAR = Grammar(action_tag="query", observation_tag="retrieve", max_turns=4, top_k=3)
+DEFAULT_TOOL_GRAMMAR = Grammar(action_tag="tool_call", observation_tag="tool_response", max_turns=6)
 
 
 def run_config(checkpoint: Path) -> dict | None:
@@ -89,28 +96,41 @@ def run_config(checkpoint: Path) -> dict | None:
 
 
 def agent_from_run(agent: AgentSettings, run: dict | None) -> AgentSettings:
-    """`agent` with every unset field taken from the run's retrieval and grammar (defaults without a run). Agent
-    mode is on when asked, or when not asked but the run used retrieval or an index is given."""
+    """`agent` with every unset field taken from the run's retrieval, tools and grammar (defaults without a run).
+    Agent mode is on when asked, or when not asked but the run used retrieval or tools with an action tag, or an
+    index or tools are given. With tools the actions go to the tools; an index is needed only for retrieval
+    (retrieve_knowledge among the tools, or no tools)."""
     retrieval = (run or {}).get("retrieval")
-    grammar = (run or {}).get("rollout", {}).get("grammar") if retrieval else None
+    tools = agent.tools if agent.tools is not None else (run or {}).get("tools")
+    grammar = (run or {}).get("rollout", {}).get("grammar") if retrieval or tools else None
     index_dir = agent.index_dir
     if index_dir is None and retrieval:
         from actors.build_index import default_index_dir
         index_dir = retrieval.get("index_dir") or str(default_index_dir(
             retrieval.get("kb", "hpo"), retrieval.get("index", {}).get("kind", "none"), retrieval.get("shards", 1)))
-    enabled = agent.enabled if agent.enabled is not None else bool(agent.index_dir or (retrieval and grammar and
-                                                                                       grammar.get("action_tag")))
+    enabled = agent.enabled if agent.enabled is not None else bool(
+        agent.index_dir or agent.tools or ((retrieval or tools) and grammar and grammar.get("action_tag")))
     if not enabled:
-        return agent.model_copy(update={"enabled": False, "index_dir": None})
-    if index_dir is None:
+        return agent.model_copy(update={"enabled": False, "index_dir": None, "tools": None})
+    if tools is not None:
+        from actors.gym import ToolsConfig
+        try:
+            tools = ToolsConfig.model_validate(tools).model_dump()
+        except ValidationError as e:
+            raise ValueError("agent.tools: " + "; ".join(f"{'.'.join(map(str, err['loc'])) or 'tools'}: {err['msg']}"
+                                                         for err in e.errors())) from None
+    searches = tools is None or "retrieve_knowledge" in tools["tools"]
+    if searches and index_dir is None:
         raise ValueError("agent.enabled: agent mode needs agent.index_dir (the run that wrote this checkpoint used "
-                         "no retrieval)")
+                         "no retrieval)" if tools is None else "agent.tools: retrieve_knowledge needs agent.index_dir "
+                         "(the run that wrote this checkpoint used no retrieval)")
     search = (retrieval or {}).get("search") or {}
+    default_grammar = DEFAULT_GRAMMAR if tools is None else DEFAULT_TOOL_GRAMMAR
     return agent.model_copy(update={
-        "enabled": True, "index_dir": index_dir,
+        "enabled": True, "index_dir": index_dir if searches else None, "tools": tools,
         "retrieval": agent.retrieval if agent.retrieval is not None else search,
         "grammar": agent.grammar or (Grammar.model_validate({**grammar, "top_k": search.get("top_k", grammar.get(
-            "top_k", 3))}) if grammar else DEFAULT_GRAMMAR),
+            "top_k", 3))}) if grammar else default_grammar),
         "show": agent.show or (retrieval or {}).get("show", "passages"),
         "link_options": agent.link_options if agent.link_options is not None else
         bool((retrieval or {}).get("link_options", False))})
@@ -149,6 +169,9 @@ class ServeSettings(Strict):
         image_index_dir = agent.image_index_dir and str(Path(agent.image_index_dir).expanduser().resolve())
         if image_index_dir:
             check_cdir(checkpoint, index_dir, image_index_dir)
+        if agent.tools and agent.tools["observe_images"] and not is_multimodal(checkpoint):
+            raise ValueError(f"agent.tools: the tools show images (observe_images) but checkpoint {checkpoint} is "
+                             "text-only; set agent.tools.observe_images=false")
         retrieval = agent.retrieval
         if index_dir:
             from actors.retrieval_index import IndexMismatchError
@@ -190,6 +213,10 @@ def check_checkpoint(checkpoint: Path, given: str) -> None:
             raise ValueError(f"checkpoint {given} is damaged: {problem}")
 
 
+def is_multimodal(checkpoint: Path) -> bool:
+    return "vision_config" in json.loads((checkpoint / "config.json").read_text())
+
+
 def check_cdir(checkpoint: Path, index_dir: str | None, image_index_dir: str) -> None:
     """CDIR runs inside agent mode on the request's image: it needs a text index, a multimodal checkpoint and an
     image index. Raises ValueError naming the field otherwise."""
@@ -198,7 +225,7 @@ def check_cdir(checkpoint: Path, index_dir: str | None, image_index_dir: str) ->
 
     if not index_dir:
         raise ValueError("agent.image_index_dir: CDIR runs in agent mode, which needs agent.index_dir as well")
-    if "vision_config" not in json.loads((checkpoint / "config.json").read_text()):
+    if not is_multimodal(checkpoint):
         raise ValueError(f"agent.image_index_dir: CDIR re-retrieves by the request's image, but checkpoint "
                          f"{checkpoint} is text-only (no vision_config in its config.json)")
     try:

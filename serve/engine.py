@@ -34,11 +34,12 @@ class EnginePrompt:
         """The prompt's length in the model's context, image tokens included (what the limits count)."""
         return len(self.ids) + self.image_tokens
 
-    def to_vllm(self, ids: list[int] | None = None) -> dict:
-        """vLLM's token prompt of `ids` (default: this prompt's; agent turns pass the prompt grown by their turns,
-        which keeps the images' placeholders)."""
+    def to_vllm(self, ids: list[int] | None = None, images: list | None = None) -> dict:
+        """vLLM's token prompt of `ids` and `images` (default: this prompt's; agent turns pass the prompt grown by
+        their turns, which keeps the images' placeholders, and the images their observations added)."""
+        images = self.images if images is None else images
         prompt = {"prompt_token_ids": self.ids if ids is None else ids}
-        return {**prompt, "multi_modal_data": {"image": self.images}} if self.images else prompt
+        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
 
 
 class EngineDeadError(RuntimeError):

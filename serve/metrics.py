@@ -17,7 +17,8 @@ class ServeMetrics:
         self.latency = Histogram("medray_serve_request_seconds", "seconds from request to last token",
                                  boundaries=LATENCY_BOUNDARIES_S, tag_keys=("mode", "stream"))
         self.tokens = Counter("medray_serve_tokens", "prompt and completion tokens", tag_keys=("kind", "mode"))
-        self.retrievals = Counter("medray_serve_agent_retrievals", "agent-mode retriever calls by outcome",
+        self.retrievals = Counter("medray_serve_agent_retrievals",
+                                  "agent-mode environment calls (retrievals; tool calls for a tool policy) by outcome",
                                   tag_keys=("outcome",))
 
     def request(self, route: str, status: int) -> None:

@@ -152,6 +152,11 @@ def chunk(cid: str, model: str, delta: dict, reason: str | None = None, **extra)
             "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}], **extra}
 
 
+def sse(event: dict | str) -> str:
+    """One server-sent event: a chunk as JSON, or the closing "[DONE]"."""
+    return f"data: {event if isinstance(event, str) else json.dumps(event)}\n\n"
+
+
 def usage_chunk(cid: str, model: str, token_usage: dict) -> dict:
     return {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
             "choices": [], "usage": token_usage}

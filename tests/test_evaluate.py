@@ -4,7 +4,8 @@ from rouge_score.rouge_scorer import RougeScorer
 from sacrebleu.metrics import BLEU
 
 from actors.trajectory import Trajectory
-from learners.evaluate import score, wilson_interval
+from learners.evaluate import score
+from learners.intervals import wilson_interval
 
 SUMMARY = {"env_calls": 0, "env_errors": 0}
 

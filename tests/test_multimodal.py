@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from actors.environment import Environment, Episode, EpisodeRunner, Grammar, ImageTokens, Observation, rgb_array
+from actors.environment import Environment, Episode, EpisodeRunner, Grammar, Observation, rgb_array
+from actors.image_tokens import ImageTokens
 from tasks.tiny_models import TinyModelConfig
 
 VL = TinyModelConfig(arch="qwen2_5_vl")
@@ -45,6 +46,22 @@ def test_images_become_pad_runs_that_collapse_for_vllm_and_are_never_cut(vision)
         vision.expand(ids, [(1, 8, 8)])
     assert vision.cut(expanded, 10) == 1  # inside the first image: the whole image goes
     assert vision.cut(expanded, 20) == 20 and vision.cut(expanded, 100) == len(expanded)
+
+
+def test_image_layouts_come_from_a_registry_of_model_families(vision, vl_model_path, tiny_model_path, tmp_path):
+    """The family is the checkpoint's model_type: Qwen2.5-VL has its layout, a text-only model none, and a VL family
+    without an entry is refused naming itself and the families there are."""
+    from transformers import InternVLConfig
+
+    from actors.image_tokens import FAMILIES, QWEN2_VL, image_layout
+    assert image_layout(str(vl_model_path)) is QWEN2_VL and vision.layout is QWEN2_VL
+    assert vision.placeholder == "<|vision_start|><|image_pad|><|vision_end|>"
+    assert image_layout(str(tiny_model_path)) is None and ImageTokens.for_model(str(tiny_model_path)) is None
+    InternVLConfig().save_pretrained(tmp_path / "internvl")
+    with pytest.raises(ValueError, match=r"model_type 'internvl' has no image-token layout.*\['qwen2_5_vl', "
+                                         r"'qwen2_vl'\]") as refused:
+        ImageTokens.for_model(str(tmp_path / "internvl"))
+    assert str(tmp_path / "internvl") in str(refused.value) and sorted(FAMILIES) == ["qwen2_5_vl", "qwen2_vl"]
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
 One app is deployed once for the module on the shared local Ray, on a loopback port of its own, with a real vLLM
 engine and a real retriever over a six-document index (random weights: the tests check protocol and behaviour, not
-what the model says).
+what the model says). Agent mode's own tests (test_serve_agent.py) deploy the same app.
 """
 import base64
 import io
@@ -339,33 +339,6 @@ def test_request_metrics_reach_rays_metrics_endpoint(server, client, ray_session
             return
         time.sleep(3)
     pytest.fail("the serve metrics did not reach Ray's metrics endpoint within 60 s")
-
-
-@pytest.mark.slow
-def test_agent_mode_retrieves_and_returns_the_trace(server, client, tiny_model_path):
-    """The model continues an assistant turn that opened a query; `</query>` is made certain with a logit bias (the
-    random model would not write it), so the loop must search, append the hits and continue until its turn limit."""
-    from actors.retriever import LocalRetriever
-    from transformers import AutoTokenizer
-
-    close_query = AutoTokenizer.from_pretrained(tiny_model_path).convert_tokens_to_ids("</query>")
-    query = "progressive proximal muscle weakness in a boy"
-    reply = client.chat.completions.create(
-        model="medray-agent", max_tokens=16, seed=3, logit_bias={str(close_query): 100},
-        messages=[{"role": "user", "content": "A boy with calf pseudohypertrophy. Diagnosis?"},
-                  {"role": "assistant", "content": f"<think>muscle disease</think><query>{query}"}],
-        extra_body={"continue_final_message": True, "agent": {"trace": True, "max_turns": 1, "top_k": 2}})
-    trace = reply.model_extra["trace"]
-    assert [turn["query"] for turn in trace["turns"]] == [query]
-    expected = [hit["id"] for hit in LocalRetriever(server["index"], config={"mode": "dense"}).search([query], 2)[0]]
-    assert trace["turns"][0]["chunk_ids"] == expected and expected[0] == "dmd#0"
-    assert trace["turns"][0]["error"] is None
-    assert "<retrieve>" in trace["transcript"] and "Duchenne" in trace["transcript"]
-    assert trace["finish"] == "turn_limit" and reply.choices[0].finish_reason == "length"
-
-    streamed = list(client.chat.completions.create(model="medray-agent", max_tokens=4, stream=True,
-                                                   messages=[{"role": "user", "content": "Diagnosis?"}]))
-    assert streamed[-1].choices[0].finish_reason in ("stop", "length")
 
 
 @pytest.mark.slow

@@ -30,7 +30,7 @@ def test_option_listing_round_trips_through_a_question():
 def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_model_path, show, link):
     from transformers import AutoTokenizer
 
-    from serve.agent import run_agent
+    from serve.agent import retrieval_observer, run_agent
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=1, top_k=2, max_observation_tokens=64)
@@ -44,16 +44,17 @@ def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_mod
 
     turns = iter(["<query>tall</query>", "<answer>B</answer>"])
 
-    async def generate(ids, budget, stops, seed):  # the policy's two turns, scripted
+    async def generate(ids, images, budget, stops, seed):  # the policy's two turns, scripted
         text = next(turns)
         return text, tokenizer.encode(text, add_special_tokens=False), text[text.rindex("</"):], [0.0] * 4
 
     async def search(queries, top_k):
         return [HITS[:top_k]]
 
-    served = asyncio.run(run_agent(generate, search, tokenizer, grammar, [1], max_tokens=64, max_model_len=512,
-                                   stop=[], seed=0, timeout_s=5, show=show,
-                                   options=parse_option_listing(option_listing(OPTIONS)) if link else None))
+    observe = retrieval_observer(search, 2, 5, show=show,
+                                 options=parse_option_listing(option_listing(OPTIONS)) if link else None)
+    served = asyncio.run(run_agent(generate, observe, tokenizer, grammar, [1], max_tokens=64, max_model_len=512,
+                                   stop=[], seed=0, timeout_s=5))
     assert served.answer == "B"
     assert served.transcript == "<query>tall</query>" + expected + "<answer>B</answer>"
 
