@@ -287,8 +287,8 @@ class Trainer:
         start = time.perf_counter()
         record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump(),
                                     self.judge)
-        if self.judge is not None and self.cfg.eval.judge:  # the evaluation's judging is not the next step's
-            self.judge_counts = ray.get(self.judge.stats.remote())
+        # the service actors' work during the evaluation (a judge grading answers) is not the next step's
+        self.recipe.step_stats(service_actors(self.environment, self.judge))
         return {**record, "eval_s": time.perf_counter() - start}
 
     def run_grpo(self, end: int, bar) -> list[dict]:

@@ -43,8 +43,9 @@ class Recipe:
         return []
 
     def step_stats(self, services: dict[str, list]) -> dict[str, float]:
-        """Numbers added to each GRPO step's metrics (name them `<recipe>/<what>`); `services`: the run's service
-        actor handles by role (retriever, tool, judge)."""
+        """Numbers added to each GRPO step's metrics (name them `<recipe>/<what>`), about what happened since the
+        previous call; `services`: the run's service actor handles by role (retriever, tool, judge). The trainer also
+        calls it right after an evaluation and drops the answer, so the evaluation's work is not the next step's."""
         return {}
 
     def write_demonstrations(self, source: str, *, workers: list, tasks: list[dict], tokenizer, cfg, sft, seed: int,
