@@ -23,6 +23,7 @@ from learners.services import (count_restarts, service_actors, service_roles, st
 from cluster.placement import ROLES, Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners import checkpoint as ckpt
+from tasks.storage import Storage, same_place
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
@@ -53,19 +54,25 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
+        # storage beyond output_dir: checkpoints, metrics and evaluations are published there (learners/checkpoint.py)
+        self.storage = Storage(cfg.storage.path) if cfg.storage.path and not same_place(cfg.storage.path, self.out) \
+            else None
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        if not cfg.resume and ((self.out / "metrics.jsonl").exists() or self.ckpt_root.exists()):
-            raise FileExistsError(f"output_dir {self.out} already holds a run; pass resume=true to continue it, or "
-                                  f"choose another output_dir (nothing there was changed)")
+        here = Storage(str(self.out))
+        for where, place in ((f"output_dir {self.out}", here), (f"storage.path {cfg.storage.path}", self.storage)):
+            if not cfg.resume and place and (place.exists("metrics.jsonl") or place.exists("checkpoints")):
+                raise FileExistsError(f"{where} already holds a run; pass resume=true to continue it, or choose "
+                                      f"another (nothing there was changed)")
         start_or_join(cfg.cluster)
-        self.step, resume_from = 0, None
+        self.step, resume_from, resume_source = 0, None, None
         if cfg.resume:
-            resume_from = ckpt.latest_valid(self.ckpt_root)
+            resume_from, resume_source = ckpt.resume_point(self.ckpt_root, self.storage)
             if resume_from is None:
-                log.warning("resume=true but no valid checkpoint under %s; starting from step 0", self.ckpt_root)
+                log.warning("resume=true but no valid checkpoint under %s; starting from step 0",
+                            self.storage.uri("checkpoints") if self.storage else self.ckpt_root)
             else:
                 self.step = ckpt.read_state(resume_from)["step"]
         self.base_model = policy_dir(cfg.model)
@@ -80,7 +87,7 @@ class Trainer:
         self.environment = start_environment(cfg, self.placement)
         self.judge = start_judge(cfg, self.placement)
         self.workers = self._start_rollout_workers(policy_path)
-        self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from)
+        self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from, resume_source)
         self.learners.connect(self.workers)
         self.stage_index, self.rewarders = None, []
         self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
@@ -279,6 +286,8 @@ class Trainer:
         if self.validator:
             self.report = closing_report(self.cfg, self.out)
         plot_curves(self.out, self.cfg)
+        if self.storage:
+            ckpt.publish_run_files(self.storage, self.out)
         return history
 
     def validate(self) -> dict:
@@ -386,9 +395,14 @@ class Trainer:
         (tmp / ckpt.RUN_CONFIG).write_text(yaml.safe_dump(self.stage_cfg.dump(), sort_keys=False))
         # the owner's (see enter_stage); an SFT stage has no reward actors
         reward_states = [ray.get(self.rewarders[0].state_dict.remote())] if self.rewarders else []
-        ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
-                                                     "stage": self.stage_index, "reward_states": reward_states},
-                    self.cfg.checkpoint.keep_last)
+        state = {"step": self.step, "version": self.version, "seed": self.cfg.seed, "stage": self.stage_index,
+                 "reward_states": reward_states}
+        if self.storage is None:
+            ckpt.commit(self.ckpt_root, tmp, self.step, state, self.cfg.checkpoint.keep_last)
+            return time.perf_counter() - start
+        ckpt.commit_and_publish(self.storage, self.ckpt_root, tmp, self.step, state, self.cfg.checkpoint.keep_last,
+                                self.learners)
+        ckpt.publish_run_files(self.storage, self.out)
         return time.perf_counter() - start
 
     def shutdown(self) -> None:
