@@ -62,8 +62,8 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         here = Storage(str(self.out))
-        for where, place in ((f"output_dir {self.out}", here), (f"storage.path {cfg.storage.path}", self.storage)):
-            if not cfg.resume and place and (place.exists("metrics.jsonl") or place.exists("checkpoints")):
+        for where, kept in ((f"output_dir {self.out}", here), (f"storage.path {cfg.storage.path}", self.storage)):
+            if not cfg.resume and kept and (kept.exists("metrics.jsonl") or kept.exists("checkpoints")):
                 raise FileExistsError(f"{where} already holds a run; pass resume=true to continue it, or choose "
                                       f"another (nothing there was changed)")
         start_or_join(cfg.cluster)
