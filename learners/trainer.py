@@ -76,7 +76,8 @@ class Trainer:
             else:
                 self.step = ckpt.read_state(resume_from)["step"]
         self.base_model = policy_dir(cfg.model)
-        policy_path = str(resume_from) if resume_from else self.base_model
+        # on storage, every rollout worker reads the checkpoint from there (output_dir may be the driver's disk only)
+        policy_path = resume_source or (str(resume_from) if resume_from else self.base_model)
 
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
