@@ -95,7 +95,6 @@ def commit_and_publish(storage: Storage, root: Path, tmp: Path, step: int, state
                    elsewhere={name: digest for share in held.values() for name, digest in share.items()})
     assigned = assign_uploads({name for name in listed(final) if (final / name).is_file()}, held)
     publish(storage, final, lambda uri: learners.upload_shares(tmp, assigned, uri), keep_last)
-    publish_run_files(storage, root.parent)
 
 
 def publish_run_files(storage: Storage, out: Path) -> None:
@@ -146,6 +145,15 @@ def latest_valid(root: Path) -> Path | None:
             return path
         log.warning("checkpoint %s is damaged (%s); trying the previous one", path, problem)
     return None
+
+
+def refuse_existing_run(out: Path, storage: Storage | None) -> None:
+    """Raise FileExistsError when `out` or `storage` already holds a run (a fresh run never overwrites one)."""
+    for where, kept in ((f"output_dir {out}", Storage(str(out))), (f"storage.path {storage and storage.location}",
+                                                                    storage)):
+        if kept and (kept.exists("metrics.jsonl") or kept.exists("checkpoints")):
+            raise FileExistsError(f"{where} already holds a run; pass resume=true to continue it, or choose another "
+                                  f"(nothing there was changed)")
 
 
 def resume_point(root: Path, storage: Storage | None) -> tuple[Path | None, str | None]:

@@ -23,7 +23,7 @@ from learners.services import (count_restarts, service_actors, service_roles, st
 from cluster.placement import ROLES, Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners import checkpoint as ckpt
-from tasks.storage import Storage, same_place
+from tasks.storage import run_storage
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
@@ -54,18 +54,13 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        # storage beyond output_dir: checkpoints, metrics and evaluations are published there (learners/checkpoint.py)
-        self.storage = Storage(cfg.storage.path) if cfg.storage.path and not same_place(cfg.storage.path, self.out) \
-            else None
+        self.storage = run_storage(cfg.storage.path, self.out)  # where checkpoints, metrics and evaluations go too
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        here = Storage(str(self.out))
-        for where, kept in ((f"output_dir {self.out}", here), (f"storage.path {cfg.storage.path}", self.storage)):
-            if not cfg.resume and kept and (kept.exists("metrics.jsonl") or kept.exists("checkpoints")):
-                raise FileExistsError(f"{where} already holds a run; pass resume=true to continue it, or choose "
-                                      f"another (nothing there was changed)")
+        if not cfg.resume:
+            ckpt.refuse_existing_run(self.out, self.storage)
         start_or_join(cfg.cluster)
         self.step, resume_from, resume_source = 0, None, None
         if cfg.resume:
@@ -288,6 +283,7 @@ class Trainer:
             self.report = closing_report(self.cfg, self.out)
         plot_curves(self.out, self.cfg)
         if self.storage:
+            self.metrics.flush()
             ckpt.publish_run_files(self.storage, self.out)
         return history
 
@@ -384,6 +380,9 @@ class Trainer:
         if self.validator and self.validator.due(self.step):
             record.update(self.validate())
         self.metrics.log(record)
+        if self.storage and "checkpoint_s" in record:  # with the checkpoint: this step's line and evaluations
+            self.metrics.flush()
+            ckpt.publish_run_files(self.storage, self.out)
         bar.update(record)
         return record
 

@@ -45,10 +45,6 @@ def filesystem(location: str) -> tuple[pafs.FileSystem, str]:
         return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
 
 
-def same_place(location: str, local_dir: str | os.PathLike) -> bool:
-    """Whether `location` is the local directory `local_dir` itself (then there is nothing to publish)."""
-    fs, path = filesystem(location)
-    return isinstance(fs, pafs.LocalFileSystem) and Path(path).resolve() == Path(local_dir).expanduser().resolve()
 
 
 class Storage:
@@ -155,6 +151,15 @@ class Storage:
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
         return local
+
+
+def run_storage(location: str | None, output_dir: str | os.PathLike) -> Storage | None:
+    """The storage a run publishes to: None without a location, or when it is `output_dir` itself."""
+    if not location:
+        return None
+    storage = Storage(location)
+    return None if storage.local and Path(storage.root).resolve() == Path(output_dir).expanduser().resolve() \
+        else storage
 
 
 def upload_share(local_dir: str | os.PathLike, names: list[str], destination: str) -> None:

@@ -41,7 +41,7 @@ def test_losing_the_rollout_node_moves_the_worker_and_the_run_completes(tmp_path
     assert report["before"]["rollout-0"] == "rollout" and report["after"]["rollout-0"] == "spare"
     assert report["after"]["learner-0"] == report["after"]["learner-1"] == "learner"
     metrics = report["metrics"]
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and report["stored_checkpoints"] == ["step_2", "step_3"]
     assert metrics[-1]["actor_restarts/rollout"] >= 1
     assert all(m["version_lag"] == 0 for m in metrics)
     # the restarted engine holds exactly the learner's weights again
@@ -50,12 +50,14 @@ def test_losing_the_rollout_node_moves_the_worker_and_the_run_completes(tmp_path
 
 def test_losing_the_learner_node_stops_the_run_and_resume_continues_on_the_nodes_left(tmp_path):
     """Both learner ranks' node is removed after step 1's checkpoint: the run stops with LearnerRankFailed naming a
-    rank, and resume=true on the remaining nodes (the spare) continues from that checkpoint to step 3."""
+    rank, and resume=true on the remaining nodes (the spare), from a fresh output_dir, continues from the checkpoint
+    on the run's storage to step 3."""
     report = lose_node(tmp_path, "learner")
     assert report["removed"] and "LearnerWorker-" in report["error"] and "resume=true" in report["error"]
     assert report["before"]["learner-0"] == "learner"
     assert report["after"]["learner-0"] == report["after"]["learner-1"] == "spare"
     assert report["resumed_from_step"] >= 1
-    metrics = report["metrics"]
+    metrics = report["metrics"]  # as published to storage by both runs
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert report["stored_checkpoints"][-1] == "step_3"
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)

@@ -75,3 +75,13 @@ def test_serve_reads_the_newest_committed_checkpoint_from_storage(tmp_path, tiny
     assert local.is_relative_to(tmp_path / "cache") and json.loads((local / ckpt.STATE).read_text()) == {"step": 1}
     with pytest.raises(ValueError, match="not a committed checkpoint"):
         ServeSettings(checkpoint=f"file://{tmp_path}/store/checkpoints/step_2").resolved()
+
+
+def test_a_fresh_run_is_refused_where_storage_already_holds_one(tmp_path):
+    from tasks.storage import run_storage
+    store = Storage(f"file://{tmp_path}/store")
+    ckpt.publish(store, write_checkpoint(tmp_path / "a" / "checkpoints", 1), no_one_else, keep_last=2)
+    with pytest.raises(FileExistsError, match=f"storage.path file://{tmp_path}/store already holds a run"):
+        ckpt.refuse_existing_run(tmp_path / "b", run_storage(f"file://{tmp_path}/store", tmp_path / "b"))
+    assert run_storage(str(tmp_path / "b"), tmp_path / "b") is None  # output_dir itself: nothing to publish
+    assert run_storage(None, tmp_path / "b") is None

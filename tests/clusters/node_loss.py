@@ -9,8 +9,9 @@ named node is removed:
 
 * `rollout`: Ray moves the worker's placement-group bundle to the spare node and restarts the worker there; the run
   goes on to step 3, generating the lost share again under the current weights.
-* `learner`: the learner group stops with LearnerRankFailed; a second run with resume=true (the same driver, the
-  nodes left) continues from the last checkpoint on the spare node to step 3.
+* `learner`: the learner group stops with LearnerRankFailed; a second run with resume=true on the nodes left, into
+  a fresh output_dir (nothing of the first run's local files), continues from the last checkpoint on the run's
+  storage (`storage.path`, a file:// URI) to step 3, with the learners on the spare node.
 
 Writes OUT_DIR/report.json: each actor's node before and after, the error, and the run's metrics.
 """
@@ -65,7 +66,7 @@ def main(out: Path, lose: str) -> None:
     overrides = [f"cluster.address={cluster.address}", *PINNED, "total_steps=3", "rollout.prompts_per_step=4",
                  "rollout.group_size=4", "rollout.max_new_tokens=16", "rollout.fidelity_check_every=1",
                  "checkpoint.every=1", "learner.micro_batch_size=4", "logging.progress_bar=false",
-                 f"output_dir={out / 'run'}"]
+                 f"output_dir={out / 'run'}", f"storage.path=file://{out / 'store'}"]
     trainer = Trainer(load_config("configs/tiny.yaml", overrides))
     trainer.setup()
     nodes["spare"] = cluster.add_node(num_cpus=2, resources=NODES["spare"])
@@ -85,7 +86,7 @@ def main(out: Path, lose: str) -> None:
     watcher.join(timeout=60)
     report["removed"] = bool(removed)
     if report["error"]:
-        resumed = Trainer(load_config("configs/tiny.yaml", [*overrides, "resume=true"]))
+        resumed = Trainer(load_config("configs/tiny.yaml", [*overrides, "resume=true", f"output_dir={out / 'again'}"]))
         resumed.setup()
         report["resumed_from_step"] = resumed.step
         report["after"] = placed(resumed, names)
@@ -93,7 +94,8 @@ def main(out: Path, lose: str) -> None:
             resumed.loop()
         finally:
             resumed.shutdown()
-    report["metrics"] = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    report["metrics"] = [json.loads(line) for line in (out / "store" / "metrics.jsonl").read_text().splitlines()]
+    report["stored_checkpoints"] = sorted(p.parent.name for p in (out / "store" / "checkpoints").glob("*/manifest.json"))
     (out / "report.json").write_text(json.dumps(report))
     ray.shutdown()
     cluster.shutdown()
