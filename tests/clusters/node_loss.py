@@ -95,7 +95,8 @@ def main(out: Path, lose: str) -> None:
         finally:
             resumed.shutdown()
     report["metrics"] = [json.loads(line) for line in (out / "store" / "metrics.jsonl").read_text().splitlines()]
-    report["stored_checkpoints"] = sorted(p.parent.name for p in (out / "store" / "checkpoints").glob("*/manifest.json"))
+    committed = (out / "store" / "checkpoints").glob("step_*/manifest.json")
+    report["stored_checkpoints"] = sorted(manifest.parent.name for manifest in committed)
     (out / "report.json").write_text(json.dumps(report))
     ray.shutdown()
     cluster.shutdown()
