@@ -384,9 +384,9 @@ class LearnerGroup:
         with_reference = any(stage.kind == "grpo" and stage_cfg.algorithm.kl_beta > 0 for stage, stage_cfg in stages)
         self._all([r.setup.remote(master, model_path, cfg.dump(), total_updates, with_reference) for r in self.ranks],
                   "setup")
-        self.nodes = ray.get([r.node.remote() for r in self.ranks])
         if resume_from is not None:
             self._all([r.load.remote(str(resume_from), resume_source) for r in self.ranks], "resume")
+        self.nodes = ray.get([r.node.remote() for r in self.ranks])  # which rank uploads which checkpoint share
 
     def train(self, trajectory_refs: list, advantages: list[float] | None, stage_cfg, objective: str = "grpo") -> dict:
         """One batch on every rank: rollouts with their advantages (grpo) or demonstrations (sft)."""

@@ -62,7 +62,8 @@ class Trainer:
         if not cfg.resume:
             ckpt.refuse_existing_run(self.out, self.storage)
         start_or_join(cfg.cluster)
-        self.step, resume_from, resume_source = 0, None, None
+        self.step, resume_from = 0, None
+        resume_source = None  # the checkpoint's URI when it comes from storage
         if cfg.resume:
             resume_from, resume_source = ckpt.resume_point(self.ckpt_root, self.storage)
             if resume_from is None:
