@@ -12,6 +12,7 @@ from actors.hooks import RolloutBatch, RolloutHook
 from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 from cluster.devices import accelerator, pin_threads
+from tasks.storage import local_checkpoint
 from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights
 
 
@@ -84,6 +85,7 @@ class RolloutWorker:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 
+        model_path = local_checkpoint(model_path)  # a checkpoint on a run's storage: fetched to this node first
         self.device = accelerator()
         # On CPU a fixed KV-cache size; vLLM's fraction-of-memory reservation fails whenever other actors hold memory.
         memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if self.device == "cpu" else \

@@ -172,6 +172,13 @@ class CheckpointConfig(Strict):
     keep_last: int = Field(2, ge=1)
 
 
+class StorageConfig(Strict):
+    """Where a run is kept beyond the node that trains it: checkpoints (each committed by its manifest, uploaded
+    last), metrics.jsonl, TensorBoard and evaluations. output_dir stays the driver's local working copy."""
+    path: str | None = Field(None, description="a local directory, an NFS mount or a URI (s3://bucket/run, gs://, "
+                                               "file://, any pyarrow.fs or fsspec filesystem); null: output_dir only")
+
+
 class EvalConfig(Strict):
     """Held-out evaluation on the run's own rollout workers (greedy, the run's grammar and environment), written under
     output_dir/eval/step_<N>/<split>/ and logged as eval/<split>/<metric>."""
@@ -223,6 +230,7 @@ class RunConfig(Strict):
     learner: LearnerConfig = LearnerConfig()
     rewards: RewardsConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
+    storage: StorageConfig = StorageConfig()
     eval: EvalConfig | None = Field(None, description="held-out evaluation during and after training")
     logging: LoggingConfig = LoggingConfig()
     stages: list[StageConfig] = Field(default_factory=list,

@@ -15,6 +15,8 @@ from actors.trajectory import Trajectory
 from cluster.devices import accelerator, fast_bfloat16, init_deepspeed_distributed, pin_threads, resolve_compute_dtype
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import algorithm as algo
+from learners.checkpoint import checksums
+from tasks.storage import Storage, split_checkpoint_uri, upload_share
 
 log = logging.getLogger("medray.learner")
 
@@ -310,7 +312,21 @@ class LearnerWorker:
         weights = {name: tensor.cpu() for name, tensor in self.named_weights()}
         self.engine.module.save_pretrained(checkpoint_dir, state_dict=weights, safe_serialization=True)
 
-    def load(self, checkpoint_dir: str) -> None:
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def share(self, checkpoint_dir: str) -> dict[str, str]:
+        """{file: sha256} of what this node holds of a checkpoint being written (none: nothing here)."""
+        return checksums(checkpoint_dir) if os.path.isdir(checkpoint_dir) else {}
+
+    def upload_share(self, checkpoint_dir: str, names: list[str], destination: str) -> None:
+        upload_share(checkpoint_dir, names, destination)
+
+    def load(self, checkpoint_dir: str, source: str | None = None) -> None:
+        """Resume from `checkpoint_dir`, fetched first from `source` (its URI on storage) when this node lacks it."""
+        if source is not None:
+            location, step = split_checkpoint_uri(source)
+            Storage(location).fetch(step, checkpoint_dir, trust_present=True)
         path, _ = self.engine.load_checkpoint(checkpoint_dir, tag="deepspeed", load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if path is None:
@@ -356,7 +372,7 @@ class LearnerGroup:
     """The driver's handle on the K DeepSpeed ranks: fans calls out and combines their answers. Every call that
     all ranks join goes through `gather_ranks`, so one failing rank stops the run instead of hanging it."""
 
-    def __init__(self, cfg, placement, model_path: str, resume_from=None):
+    def __init__(self, cfg, placement, model_path: str, resume_from=None, resume_source: str | None = None):
         res = cfg.cluster.learner
         self.cfg = cfg
         self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}")).remote(
@@ -371,7 +387,8 @@ class LearnerGroup:
         log.info("learner ranks compute in %s (learner.compute_dtype=%s)", self.compute_dtype,
                  cfg.learner.compute_dtype)
         if resume_from is not None:
-            self._all([r.load.remote(str(resume_from)) for r in self.ranks], "resume")
+            self._all([r.load.remote(str(resume_from), resume_source) for r in self.ranks], "resume")
+        self.nodes = ray.get([r.node.remote() for r in self.ranks])  # which rank uploads which checkpoint share
 
     def train(self, trajectory_refs: list, advantages: list[float] | None, stage_cfg, objective: str = "grpo") -> dict:
         """One batch on every rank: rollouts with their advantages (grpo) or demonstrations (sft)."""
@@ -435,6 +452,19 @@ class LearnerGroup:
 
     def save(self, checkpoint_dir) -> None:
         self._all([r.save.remote(str(checkpoint_dir)) for r in self.ranks], "checkpoint save")
+
+    def shares(self, checkpoint_dir, driver_node: str) -> dict[int, dict[str, str]]:
+        """{rank: {file: sha256}} of the checkpoint files each node other than the driver's holds, listed by the
+        first rank on that node."""
+        firsts = {node: rank for rank, node in reversed(list(enumerate(self.nodes))) if node != driver_node}
+        listed = self._all([self.ranks[r].share.remote(str(checkpoint_dir)) for r in firsts.values()], "checkpoint")
+        return dict(zip(firsts.values(), listed))
+
+    def upload_shares(self, checkpoint_dir, assigned: dict[int, list[str]], destination: str):
+        """Start each rank's upload of its `assigned` files; returns a function that waits for them all."""
+        calls = [self.ranks[r].upload_share.remote(str(checkpoint_dir), names, destination)
+                 for r, names in assigned.items() if names]
+        return lambda: self._all(calls, "checkpoint upload") if calls else None
 
     def shutdown(self) -> None:
         """Leave the process groups where the ranks are alive (ray.wait: a stopped group's calls fail at once)."""

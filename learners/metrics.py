@@ -111,6 +111,12 @@ class MetricsLogger:
         finally:
             bar.close()
 
+    def flush(self) -> None:
+        """Everything logged so far on disk (before the run's files are copied elsewhere)."""
+        self.file.flush()
+        if self.tb:
+            self.tb.flush()
+
     def close(self) -> None:
         self.file.close()
         if self.tb:

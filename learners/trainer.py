@@ -24,6 +24,7 @@ from learners.services import (count_restarts, service_actors, service_roles, st
 from cluster.placement import ROLES, Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners import checkpoint as ckpt
+from tasks.storage import run_storage
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
@@ -54,24 +55,27 @@ class Trainer:
         self.cfg = cfg
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
+        self.storage = run_storage(cfg.storage.path, self.out)  # where checkpoints, metrics and evaluations go too
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        if not cfg.resume and ((self.out / "metrics.jsonl").exists() or self.ckpt_root.exists()):
-            raise FileExistsError(f"output_dir {self.out} already holds a run; pass resume=true to continue it, or "
-                                  f"choose another output_dir (nothing there was changed)")
+        if not cfg.resume:
+            ckpt.refuse_existing_run(self.out, self.storage)
         start_or_join(cfg.cluster)
         self.recipe = load_recipe(cfg.recipe)
         self.step, resume_from = 0, None
+        resume_source = None  # the checkpoint's URI when it comes from storage
         if cfg.resume:
-            resume_from = ckpt.latest_valid(self.ckpt_root)
+            resume_from, resume_source = ckpt.resume_point(self.ckpt_root, self.storage)
             if resume_from is None:
-                log.warning("resume=true but no valid checkpoint under %s; starting from step 0", self.ckpt_root)
+                log.warning("resume=true but no valid checkpoint under %s; starting from step 0",
+                            self.storage.uri("checkpoints") if self.storage else self.ckpt_root)
             else:
                 self.step = ckpt.read_state(resume_from)["step"]
         self.base_model = policy_dir(cfg.model)
-        policy_path = str(resume_from) if resume_from else self.base_model
+        # on storage, every rollout worker reads the checkpoint from there (output_dir may be the driver's disk only)
+        policy_path = resume_source or (str(resume_from) if resume_from else self.base_model)
 
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
@@ -82,7 +86,7 @@ class Trainer:
         self.environment = start_environment(cfg, self.placement)
         self.judge = start_judge(cfg, self.placement)
         self.workers = self._start_rollout_workers(policy_path)
-        self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from)
+        self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from, resume_source)
         self.learners.connect(self.workers)
         self.stage_index, self.rewarders = None, []
         self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
@@ -280,6 +284,9 @@ class Trainer:
         if self.validator:
             self.report = closing_report(self.cfg, self.out)
         plot_curves(self.out, self.cfg)
+        if self.storage:
+            self.metrics.flush()
+            ckpt.publish_run_files(self.storage, self.out)
         return history
 
     def validate(self) -> dict:
@@ -375,6 +382,9 @@ class Trainer:
         if self.validator and self.validator.due(self.step):
             record.update(self.validate())
         self.metrics.log(record)
+        if self.storage and "checkpoint_s" in record:  # with the checkpoint: this step's line and evaluations
+            self.metrics.flush()
+            ckpt.publish_run_files(self.storage, self.out)
         bar.update(record)
         return record
 
@@ -387,9 +397,14 @@ class Trainer:
         (tmp / ckpt.RUN_CONFIG).write_text(yaml.safe_dump(self.stage_cfg.dump(), sort_keys=False))
         # the owner's (see enter_stage); an SFT stage has no reward actors
         reward_states = [ray.get(self.rewarders[0].state_dict.remote())] if self.rewarders else []
-        ckpt.commit(self.ckpt_root, tmp, self.step, {"step": self.step, "version": self.version, "seed": self.cfg.seed,
-                                                     "stage": self.stage_index, "reward_states": reward_states},
-                    self.cfg.checkpoint.keep_last)
+        state = {"step": self.step, "version": self.version, "seed": self.cfg.seed, "stage": self.stage_index,
+                 "reward_states": reward_states}
+        if self.storage is None:
+            ckpt.commit(self.ckpt_root, tmp, self.step, state, self.cfg.checkpoint.keep_last)
+            return time.perf_counter() - start
+        ckpt.commit_and_publish(self.storage, self.ckpt_root, tmp, self.step, state, self.cfg.checkpoint.keep_last,
+                                self.learners)
+        ckpt.publish_run_files(self.storage, self.out)
         return time.perf_counter() - start
 
     def shutdown(self) -> None:

@@ -35,6 +35,7 @@ from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completi
 from serve.retrievers import CONSTRUCTOR_RETRIES, ImageRetrieverServer, RetrieverServer
 from serve.tools import ToolServer, tool_observer
 from tasks.schema import parse_option_listing
+from tasks.storage import local_checkpoint
 
 log = logging.getLogger("medray.serve")
 
@@ -66,10 +67,11 @@ class ChatServer:
         self.environment = tools or retriever  # what agent mode's actions go to; None: no agent mode
         self.device = "cuda" if ray.get_gpu_ids() else "cpu"
         num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-        self.vision = ImageTokens.for_model(self.settings.checkpoint)  # None: a text-only checkpoint
-        self.engine = start_engine(self.settings.checkpoint, self.settings.engine, self.device, num_cpus,
+        checkpoint = local_checkpoint(self.settings.checkpoint)  # a URI on storage: fetched to this node first
+        self.vision = ImageTokens.for_model(checkpoint)  # None: a text-only checkpoint
+        self.engine = start_engine(checkpoint, self.settings.engine, self.device, num_cpus,
                                    max_images=self.limits.max_images if self.vision else None)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.checkpoint)
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.max_prompt_tokens = self.limits.max_prompt_tokens or self.settings.engine.max_model_len - 1
         self.metrics = serve_metrics()
         log.info("serving %s as %r on %s", self.settings.checkpoint, self.settings.model_name, self.device)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from actors.environment import Grammar
 from actors.cdir import THRESHOLD
+from tasks.storage import fetch_checkpoint, is_uri
 
 API_KEY_ENV = "MEDRAY_API_KEY"
 
@@ -137,7 +138,8 @@ def agent_from_run(agent: AgentSettings, run: dict | None) -> AgentSettings:
 
 
 class ServeSettings(Strict):
-    checkpoint: str = Field(..., description="Hugging Face directory of a trained model (e.g. checkpoints/latest)")
+    checkpoint: str = Field(..., description="Hugging Face directory of a trained model (e.g. checkpoints/latest), "
+                                             "or its URI on a run's storage (s3://bucket/run/checkpoints/latest)")
     model_name: str = Field("medray", pattern=r"^[A-Za-z0-9._:-]+$",
                             description="the id clients ask for; agent mode is '<model_name>-agent'")
     api_key: str | None = Field(None, description=f"Bearer key clients must send; default: ${API_KEY_ENV}")
@@ -162,7 +164,11 @@ class ServeSettings(Strict):
         its cause: the checkpoint verified (a model directory of a causal LM, its manifest's checksums when it has
         one), agent mode completed from the run that wrote it and its index opened, paths made absolute (replicas may
         run elsewhere) and the key dropped (they get its digest). Raises ValueError naming the field."""
-        checkpoint = Path(self.checkpoint).expanduser().resolve()
+        if is_uri(self.checkpoint):  # replicas fetch this exact step (`latest` resolved here) to their node's cache
+            source, checkpoint = fetch_checkpoint(self.checkpoint)
+        else:
+            checkpoint = Path(self.checkpoint).expanduser().resolve()
+            source = str(checkpoint)
         check_checkpoint(checkpoint, self.checkpoint)
         agent = agent_from_run(self.agent, run_config(checkpoint))
         index_dir = agent.index_dir and str(Path(agent.index_dir).expanduser().resolve())
@@ -182,7 +188,7 @@ class ServeSettings(Strict):
                 raise ValueError(f"agent.index_dir: {e}") from None
         roots = [str(Path(root).expanduser().resolve()) for root in self.limits.image_roots]
         return self.model_copy(update={
-            "api_key": None, "checkpoint": str(checkpoint),
+            "api_key": None, "checkpoint": source,
             "limits": self.limits.model_copy(update={"image_roots": roots}),
             "agent": agent.model_copy(update={"index_dir": index_dir, "image_index_dir": image_index_dir,
                                               "retrieval": retrieval})})

@@ -24,3 +24,40 @@ def test_roles_on_three_nodes_train_and_sync_across_raylets(tmp_path):
     assert [m["weight_version"] for m in metrics] == [1, 2]
     # the engine on node_rollout scores like the learner on node_learner after every cross-node sync
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
+
+
+def lose_node(tmp_path, role: str) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "clusters" / "node_loss.py"), str(tmp_path), role],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((tmp_path / "report.json").read_text())
+
+
+def test_losing_the_rollout_node_moves_the_worker_and_the_run_completes(tmp_path):
+    """The rollout worker's node is removed during step 2: Ray moves its bundle to the spare node and restarts it
+    there, the lost share is generated again under the current weights, and every step trains on its whole batch."""
+    report = lose_node(tmp_path, "rollout")
+    assert report["removed"] and report["error"] is None
+    assert report["before"]["rollout-0"] == "rollout" and report["after"]["rollout-0"] == "spare"
+    assert report["after"]["learner-0"] == report["after"]["learner-1"] == "learner"
+    metrics = report["metrics"]
+    assert [m["step"] for m in metrics] == [1, 2, 3] and report["stored_checkpoints"] == ["step_2", "step_3"]
+    assert metrics[-1]["actor_restarts/rollout"] >= 1
+    assert all(m["version_lag"] == 0 for m in metrics)
+    # the restarted engine holds exactly the learner's weights again
+    assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
+
+
+def test_losing_the_learner_node_stops_the_run_and_resume_continues_on_the_nodes_left(tmp_path):
+    """Both learner ranks' node is removed after step 1's checkpoint: the run stops with LearnerRankFailed naming a
+    rank, and resume=true on the remaining nodes (the spare), from a fresh output_dir, continues from the checkpoint
+    on the run's storage to step 3."""
+    report = lose_node(tmp_path, "learner")
+    assert report["removed"] and "LearnerWorker-" in report["error"] and "resume=true" in report["error"]
+    assert report["before"]["learner-0"] == "learner"
+    assert report["after"]["learner-0"] == report["after"]["learner-1"] == "spare"
+    assert report["resumed_from_step"] >= 1
+    metrics = report["metrics"]  # as published to storage by both runs
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert report["stored_checkpoints"][-1] == "step_3"
+    assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)

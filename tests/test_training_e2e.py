@@ -221,3 +221,38 @@ def test_a_killed_driver_resumes_as_if_uninterrupted(three_steps, tmp_path):
     for before, after in zip(metrics, again):
         for key in ("reward_mean", "response_length", "loss", "grad_norm", "entropy", "batch_weight_version"):
             assert after[key] == pytest.approx(before[key], rel=1e-5, abs=1e-6), (before["step"], key)
+
+
+def test_storage_holds_the_run_and_a_fresh_node_resumes_from_it(three_steps, tmp_path, monkeypatch):
+    """storage.path a file:// URI apart from output_dir (the code path of s3:// and gs://): every checkpoint lands there
+    whole with its manifest written last, with metrics.jsonl and the run's config. Step 3's upload is then cut short
+    (no manifest) and the driver's node lost (output_dir deleted): a resume on another output_dir reads step 2 from
+    storage, never the half-uploaded step 3, and trains step 3 as the uninterrupted run did; serve reads it back."""
+    from serve.config import ServeSettings
+    from tasks.files import verify_manifest
+    from tasks.storage import MANIFEST
+
+    _, metrics = three_steps
+    store, first = tmp_path / "store", tmp_path / "node_a"
+    run(first, f"storage.path=file://{store}")
+    for step in (1, 2, 3):
+        published = store / "checkpoints" / f"step_{step}"
+        assert verify_manifest(published) is None, step
+        written = [f.stat().st_mtime_ns for f in published.rglob("*") if f.is_file() and f.name != MANIFEST]
+        assert max(written) <= (published / MANIFEST).stat().st_mtime_ns, "the manifest must be uploaded last"
+    assert (store / "metrics.jsonl").read_text() == (first / "metrics.jsonl").read_text()
+    assert (store / "config.yaml").is_file() and list((store / "tensorboard").glob("events.out.tfevents.*"))
+    assert (store / "checkpoints" / "latest").resolve().name == "step_3"
+
+    (store / "checkpoints" / "step_3" / MANIFEST).unlink()
+    shutil.rmtree(first)
+    again = run(tmp_path / "node_b", f"storage.path=file://{store}", "resume=true")
+    assert [m["step"] for m in again] == [1, 2, 3]
+    for key in ("reward_mean", "response_length", "loss", "grad_norm", "entropy", "batch_weight_version"):
+        assert again[2][key] == pytest.approx(metrics[2][key], rel=1e-5, abs=1e-6), key
+    assert verify_manifest(store / "checkpoints" / "step_3") is None
+
+    monkeypatch.setenv("MEDRAY_CACHE", str(tmp_path / "cache"))
+    settings = ServeSettings(checkpoint=f"file://{store}/checkpoints/latest").resolved()
+    assert settings.checkpoint == f"file://{store}/checkpoints/step_3"
+    assert settings.agent.enabled and settings.agent.index_dir  # the run's retrieval, from the config it carried

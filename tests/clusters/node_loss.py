@@ -1,0 +1,108 @@
+"""A whole node lost in the middle of a GRPO run on a simulated Ray cluster (`ray.cluster_utils.Cluster`), the way
+`cluster.remove_node` takes a machine away: its raylet, object store and every worker process on it die at once.
+
+    python tests/clusters/node_loss.py OUT_DIR rollout|learner
+
+The head holds the reward actor and the retriever, node `rollout` the vLLM rollout worker, node `learner` both
+DeepSpeed ranks (as in three_nodes.py), and a spare node can take either role. When metrics.jsonl shows step 1, the
+named node is removed:
+
+* `rollout`: Ray moves the worker's placement-group bundle to the spare node and restarts the worker there; the run
+  goes on to step 3, generating the lost share again under the current weights.
+* `learner`: the learner group stops with LearnerRankFailed; a second run with resume=true on the nodes left, into
+  a fresh output_dir (nothing of the first run's local files), continues from the last checkpoint on the run's
+  storage (`storage.path`, a file:// URI) to step 3, with the learners on the spare node.
+
+Writes OUT_DIR/report.json: each actor's node before and after, the error, and the run's metrics.
+"""
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from learners.config import load_config  # noqa: E402
+from learners.learner_group import LearnerRankFailed  # noqa: E402
+from learners.trainer import Trainer  # noqa: E402
+from three_nodes import PINNED, _node_id  # noqa: E402
+
+NODES = {"head": {"node_services": 4}, "rollout": {"node_rollout": 1}, "learner": {"node_learner": 2},
+         "spare": {"node_rollout": 1, "node_learner": 2}}
+
+
+def placed(trainer: Trainer, names: dict[str, str]) -> dict[str, str]:
+    """Which node (by name) each rollout worker and learner rank is on now."""
+    roles = {"rollout": trainer.workers, "learner": trainer.learners.ranks}
+    return {f"{role}-{i}": names[ray.get(actor.__ray_call__.remote(_node_id), timeout=300)]
+            for role, handles in roles.items() for i, actor in enumerate(handles)}
+
+
+def remove_after_step(cluster: Cluster, node, metrics: Path, step: int, removed: list) -> threading.Thread:
+    """Remove `node` (no graceful drain: a machine lost) once `metrics` shows step `step`."""
+    def watch():
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= step):
+            time.sleep(0.2)
+        cluster.remove_node(node, allow_graceful=False)
+        removed.append(time.time())
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def main(out: Path, lose: str) -> None:
+    os.environ.pop("RAY_ADDRESS", None)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "resources": NODES["head"], "include_dashboard": False})
+    nodes = {role: cluster.add_node(num_cpus=2 if role == "spare" else 1, resources=NODES[role])
+             for role in ("rollout", "learner")}
+    cluster.wait_for_nodes()
+    # the spare joins once the run is placed, so the roles start on their own nodes
+    overrides = [f"cluster.address={cluster.address}", *PINNED, "total_steps=3", "rollout.prompts_per_step=4",
+                 "rollout.group_size=4", "rollout.max_new_tokens=16", "rollout.fidelity_check_every=1",
+                 "checkpoint.every=1", "learner.micro_batch_size=4", "logging.progress_bar=false",
+                 f"output_dir={out / 'run'}", f"storage.path=file://{out / 'store'}"]
+    trainer = Trainer(load_config("configs/tiny.yaml", overrides))
+    trainer.setup()
+    nodes["spare"] = cluster.add_node(num_cpus=2, resources=NODES["spare"])
+    cluster.wait_for_nodes()
+    names = {node.node_id: role for role, node in nodes.items()}
+    names[cluster.head_node.node_id] = "head"
+    report = {"before": placed(trainer, names), "error": None}
+    removed: list = []
+    watcher = remove_after_step(cluster, nodes[lose], out / "run" / "metrics.jsonl", 1, removed)
+    try:
+        trainer.loop()
+        report["after"] = placed(trainer, names)
+    except LearnerRankFailed as e:
+        report["error"] = str(e)
+    finally:
+        trainer.shutdown()
+    watcher.join(timeout=60)
+    report["removed"] = bool(removed)
+    if report["error"]:
+        resumed = Trainer(load_config("configs/tiny.yaml", [*overrides, "resume=true", f"output_dir={out / 'again'}"]))
+        resumed.setup()
+        report["resumed_from_step"] = resumed.step
+        report["after"] = placed(resumed, names)
+        try:
+            resumed.loop()
+        finally:
+            resumed.shutdown()
+    report["metrics"] = [json.loads(line) for line in (out / "store" / "metrics.jsonl").read_text().splitlines()]
+    committed = (out / "store" / "checkpoints").glob("step_*/manifest.json")
+    report["stored_checkpoints"] = sorted(manifest.parent.name for manifest in committed)
+    (out / "report.json").write_text(json.dumps(report))
+    ray.shutdown()
+    cluster.shutdown()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[2] not in ("rollout", "learner"):
+        sys.exit(__doc__)
+    main(Path(sys.argv[1]), sys.argv[2])
