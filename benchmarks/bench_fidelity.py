@@ -24,7 +24,7 @@ def learner_logprobs(model_path: str, dtype: str, sequences: list[list[int]]) ->
     import torch
 
     from learners.algorithm import token_logprobs
-    from learners.learner_group import load_causal_lm
+    from learners.batches import load_causal_lm
     model = load_causal_lm(model_path, getattr(torch, dtype)).eval()
     with torch.no_grad():
         return [token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:]).squeeze(0).numpy()
@@ -55,7 +55,7 @@ def main() -> None:
     from cluster.weight_sync import WeightPublisher
     from cluster.config import ClusterConfig
     from learners.data import load_tasks
-    from learners.learner_group import load_causal_lm
+    from learners.batches import load_causal_lm
     from tasks.tiny_models import ensure_tiny_model
 
     start_or_join(ClusterConfig())

@@ -102,7 +102,7 @@ def test_learner_forward_scores_exactly_the_response_tokens_of_a_padded_batch(ti
 
     from actors.trajectory import Trajectory
     from learners.algorithm import token_logprobs
-    from learners.learner_group import forward_logp, pad_batch
+    from learners.batches import forward_logp, pad_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
     shapes = [(7, [1, 1, 0, 1]), (4, [1, 1]), (9, [1, 0, 0, 1, 1, 1])]  # (prompt length, response loss mask)
@@ -133,7 +133,7 @@ def test_learner_forward_in_bfloat16_autocast_keeps_float32_weights_and_logprobs
     from transformers import AutoModelForCausalLM
 
     from actors.trajectory import Trajectory
-    from learners.learner_group import forward_logp, pad_batch
+    from learners.batches import forward_logp, pad_batch
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     traj = Trajectory(task={}, group=0, prompt_ids=list(range(10, 30)), response_ids=list(range(50, 58)),

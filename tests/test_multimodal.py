@@ -155,7 +155,7 @@ def test_image_observation_is_masked_and_seen_by_the_next_turn(vl_model_path, vi
 
     from actors.rollout_worker import task_prompt
     from learners import algorithm as algo
-    from learners.learner_group import image_inputs
+    from learners.batches import image_inputs
 
     llm = LLM(model=str(vl_model_path), dtype="float32", seed=0, max_model_len=1024, enforce_eager=True,
               distributed_executor_backend="uni", enable_chunked_prefill=False, kv_cache_memory_bytes=2**28,

@@ -85,7 +85,7 @@ def test_model_directories_with_pickled_weights_are_refused(tiny_model_path, tmp
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, BertConfig
 
     from actors.encoders import Encoder
-    from learners.learner_group import load_causal_lm
+    from learners.batches import load_causal_lm
 
     policy = tmp_path / "policy"
     save_pickled(AutoModelForCausalLM.from_pretrained(tiny_model_path), policy)
