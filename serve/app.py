@@ -146,7 +146,8 @@ class ChatServer:
         num_cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
         self.vision = ImageTokens.for_model(self.settings.checkpoint)  # None: a text-only checkpoint
         self.engine = start_engine(self.settings.checkpoint, self.settings.engine, self.device, num_cpus,
-                                   max_images=self.limits.max_images if self.vision else None)
+                                   max_images=self.limits.max_images if self.vision else None,
+                                   num_gpus=len(ray.get_gpu_ids()))
         self.tokenizer = AutoTokenizer.from_pretrained(self.settings.checkpoint)
         self.max_prompt_tokens = self.limits.max_prompt_tokens or self.settings.engine.max_model_len - 1
         self.metrics = serve_metrics()
