@@ -1,6 +1,7 @@
 """Tensor-parallel vLLM engines: a sharded engine's bundle holds every shard's CPUs and GPUs (placement and dry run
 agree), bad layouts are refused naming the field, and a rollout worker sharded over two vLLM worker processes
 generates and takes weight syncs (object store and broadcast) into both shards, scoring as the learner does."""
+import os
 import socket
 
 import pytest
@@ -123,3 +124,68 @@ def test_a_rollout_worker_sharded_in_two_takes_weight_syncs_into_both_shards(ray
         assert torch.allclose(engine_logprobs(), learner_logprobs(prompt), atol=tolerance)
     finally:
         ray.kill(worker)
+
+
+MESSAGES = [{"role": "user", "content": "Tall stature and lens dislocation?"}]
+
+
+def greedy_reply(model_path, max_tokens: int) -> str:
+    """What the unsharded model (transformers, float32) writes greedily after the chat prompt of MESSAGES."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False)
+    return tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+
+
+def shard_processes(pid: int) -> list[str]:
+    """The vLLM shard worker processes under process `pid`, by title."""
+    import psutil
+
+    return sorted(title for child in psutil.Process(pid).children(recursive=True)
+                  if (title := " ".join(child.cmdline())).startswith("VLLM::Worker_TP"))
+
+
+@pytest.mark.slow
+def test_a_judge_sharded_in_two_writes_what_the_whole_model_writes(ray_session, tiny_model_path):
+    from actors.judge import JudgeActor
+
+    judge = JudgeActor.options(num_cpus=0, name="JudgeActor-tp2").remote(
+        {"model_path": str(tiny_model_path), "max_tokens": 16, "max_model_len": 256, "kv_cache_gb": 0.0625},
+        threads=1, tensor_parallel_size=2)
+    try:
+        assert ray.get(judge.generate.remote([MESSAGES], temperature=0.0)) == [greedy_reply(tiny_model_path, 16)]
+        pid = ray.get(judge.__ray_call__.remote(lambda actor: os.getpid()))
+        assert shard_processes(pid) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    finally:
+        ray.kill(judge)
+
+
+@pytest.mark.slow
+def test_a_serve_replica_sharded_in_two_answers_what_the_whole_model_writes(ray_session, tiny_model_path):
+    """One CPU per replica, one thread per shard; the OpenAI route returns the unsharded model's greedy reply."""
+    import psutil
+    from openai import OpenAI
+    from ray import serve
+
+    from serve.app import app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        serve.run(app({"checkpoint": str(tiny_model_path), "api_key": "tp-key", "engine.max_model_len": "256",
+                       "engine.kv_cache_gb": "1", "engine.tensor_parallel_size": "2"}),
+                  name="medray-tp", route_prefix="/")
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="tp-key", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(model="medray", messages=MESSAGES, max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content == greedy_reply(tiny_model_path, 16)
+        replica = next(p.pid for p in psutil.process_iter(["cmdline"])
+                       if "ServeReplica:medray-tp:ChatServer" in " ".join(p.info["cmdline"] or []))
+        assert shard_processes(replica) == ["VLLM::Worker_TP0", "VLLM::Worker_TP1"]
+    finally:
+        serve.shutdown()
