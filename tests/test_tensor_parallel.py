@@ -146,7 +146,7 @@ def shard_processes(pid: int) -> list[str]:
     import psutil
 
     return sorted(title for child in psutil.Process(pid).children(recursive=True)
-                  if (title := " ".join(child.cmdline())).startswith("VLLM::Worker_TP"))
+                  if (title := " ".join(child.cmdline()).strip()).startswith("VLLM::Worker_TP"))
 
 
 @pytest.mark.slow
