@@ -143,9 +143,10 @@ def parse_with_retries(prompts: list[Messages], generate: Callable[[list[Message
 class JudgeActor:
     """An LLM judge: `generate` returns texts for a batch of chat prompts, `judge` returns parsed values."""
 
-    def __init__(self, config: dict, threads: int = 1):
-        """`config`: a JudgeConfig as a dict; `threads`: torch/OpenMP threads (the role's cluster resources)."""
-        self.cfg, self.threads = JudgeConfig.model_validate(config), threads
+    def __init__(self, config: dict, threads: int = 1, tensor_parallel_size: int = 1):
+        """`config`: a JudgeConfig as a dict; `threads` (torch/OpenMP threads, per shard) and `tensor_parallel_size`
+        (vLLM worker processes the model is sharded over): the role's cluster resources."""
+        self.cfg, self.threads, self.shards = JudgeConfig.model_validate(config), threads, tensor_parallel_size
         self.counts = {"calls": 0, "prompts": 0, "generations": 0, "retries": 0, "parse_failures": 0,
                        "truncated_prompts": 0, "seconds": 0.0}
         if self.cfg.backend == "vllm":
@@ -154,7 +155,7 @@ class JudgeActor:
             self._start_openai()
 
     def _start_vllm(self) -> None:
-        from cluster.devices import accelerator, pin_threads
+        from cluster.devices import accelerator, engine_parallelism, pin_threads
         pin_threads(self.threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -165,11 +166,11 @@ class JudgeActor:
             from tasks.tiny_models import TinyModelConfig
             from tasks.tiny_models import ensure_tiny_model
             path = str(ensure_tiny_model(TinyModelConfig()))
-        # The rollout worker's CPU settings: fixed KV cache, uni-process executor, eager, no chunked prefill.
+        # The rollout worker's CPU settings: fixed KV cache, the same executors, eager, no chunked prefill.
         memory = {"kv_cache_memory_bytes": int(self.cfg.kv_cache_gb * 2**30)} if accelerator() == "cpu" else \
             {"gpu_memory_utilization": self.cfg.gpu_memory_utilization}
         self.llm = LLM(model=path, dtype=self.cfg.dtype, seed=self.cfg.seed, max_model_len=self.cfg.max_model_len,
-                       max_num_seqs=self.cfg.max_num_seqs, distributed_executor_backend="uni", enforce_eager=True,
+                       max_num_seqs=self.cfg.max_num_seqs, **engine_parallelism(self.shards), enforce_eager=True,
                        enable_prefix_caching=True, enable_chunked_prefill=False, **memory)
         self.tokenizer = self.llm.get_tokenizer()
         self._generate = self._generate_vllm

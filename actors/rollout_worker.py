@@ -1,7 +1,6 @@
 """RolloutWorker: a Ray actor holding a vLLM engine that samples trajectories and takes new weights live."""
 from __future__ import annotations
 
-import logging
 import os
 import time
 
@@ -11,9 +10,11 @@ from actors.environment import Environment, Episode, EpisodeRunner, Grammar, der
 from actors.hooks import RolloutBatch, RolloutHook
 from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
-from cluster.devices import accelerator, pin_threads
+from actors.engine_weights import (begin_reload, finish_reload, join_broadcast, load_broadcast, load_weights,
+                                   quiet_reload_notices)
+from cluster.devices import accelerator, engine_parallelism, pin_threads
+from cluster.weight_sync import WeightManifest, receive_buckets
 from tasks.storage import local_checkpoint
-from cluster.weight_sync import WeightManifest, join_broadcast_group, receive_broadcast, receive_weights
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], num_images: int = 0) -> list[int]:
@@ -42,41 +43,18 @@ def task_prompt(task: dict, tokenizer, vision: ImageTokens | None) -> tuple[list
     return (vision.expand(ids, grids) if images else ids), images, grids
 
 
-def repack_lm_heads(worker) -> None:
-    """Re-derive each LM head's kernel weights from its (tied) weight, run inside a vLLM worker.
-
-    A tied LM head shares the embedding's weight, so a reload updates it in place, but vLLM reprocesses only the layers
-    it loaded weights into, and on CPU an LM head computes with a copy packed at load: it kept scoring with the old
-    embeddings (prompt logprobs off by up to 78 nats after one sync, tiny tied Qwen2). On GPU this is a no-op."""
-    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
-
-    for module in worker.get_model().modules():
-        if isinstance(module, ParallelLMHead):
-            module.quant_method.process_weights_after_loading(module)
-
-
-class ReloadNotices(logging.Filter):
-    """Drops vLLM's "<layer>: Failed to load weights", logged on every weight reload for layers that no checkpoint
-    holds: the rotary cos/sin cache (computed from the config, put back unchanged) and a tied LM head (it is the
-    embedding, which was loaded; `repack_lm_heads` follows it). The fidelity check compares engine and learner."""
-
-    def __init__(self, tied_head: bool):
-        super().__init__()
-        self.layers = ("RotaryEmbedding", "ParallelLMHead") if tied_head else ("RotaryEmbedding",)
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(f"{layer}: Failed to load weights" in record.getMessage() for layer in self.layers)
-
-
 @ray.remote(max_restarts=3, max_task_retries=0)
 class RolloutWorker:
     """vLLM in-process inside the actor; multi-turn episodes run through `actors.environment.EpisodeRunner`.
 
-    On CPU the engine runs in this process (no engine-core subprocess: ~3 s start instead of ~25 s) with the
-    uni-process executor, so `update_weights` hands tensors straight to the model runner.
+    The engine core runs in this process (no engine-core subprocess: ~3 s start instead of ~25 s). With one shard the
+    model does too (uni-process executor), so `update_weights` hands tensors straight to the model runner; with
+    `tensor_parallel_size` > 1 each shard is a vLLM worker process with `threads` threads, and every weight update
+    reaches each of them (actors/engine_weights.py).
     """
 
-    def __init__(self, model_path: str, *, seed: int, threads: int, dtype: str = "float32",
+    def __init__(self, model_path: str, *, seed: int, threads: int, tensor_parallel_size: int = 1,
+                 dtype: str = "float32",
                  max_model_len: int = 1024, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
                  logprobs_mode: str = "processed_logprobs", version: int = 0, grammar: dict | None = None,
                  environment: Environment | None = None, max_images: int = 8):
@@ -96,14 +74,13 @@ class RolloutWorker:
             memory["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
         # load_format: weights only from safetensors, never unpickled from .bin/.pt files in a model directory.
         self.llm = LLM(model=model_path, load_format="safetensors", dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       distributed_executor_backend="uni", enforce_eager=True, enable_prefix_caching=True,
+                       **engine_parallelism(tensor_parallel_size), enforce_eager=True, enable_prefix_caching=True,
                        logprobs_mode=logprobs_mode, **memory,
                        # Chunked prefill rewinds per-request generators, which CPU generators cannot do
                        # ("CPU Generator does not use offset"); per-sample seeds keep rollouts reproducible.
                        enable_chunked_prefill=False)
         self.tokenizer = self.llm.get_tokenizer()
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-            ReloadNotices(self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings))
+        self.llm.collective_rpc(quiet_reload_notices)
         self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}),
                                     environment, self.vision)
         self.version = version  # the learner version whose weights the engine holds
@@ -183,24 +160,32 @@ class RolloutWorker:
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
     def update_weights(self, manifest: WeightManifest) -> float:
-        """Load weights of `manifest.version` from the object store, bucket by bucket. Returns the seconds taken."""
-        return self._reload(receive_weights(manifest), manifest.version)
+        """Load weights of `manifest.version` from the object store into every shard, bucket by bucket (each bucket
+        read once here, then sent to every shard). Returns the seconds taken."""
+        start = time.perf_counter()
+        self.llm.collective_rpc(begin_reload)
+        for bucket in receive_buckets(manifest):
+            self.llm.collective_rpc(load_weights, args=(bucket,))
+        self.llm.collective_rpc(finish_reload)
+        return self._after_reload(manifest.version, start)
 
-    def join_broadcast_group(self, host: str, port: int, world_size: int, rank: int) -> None:
-        self.broadcast_group = join_broadcast_group(host, port, world_size, rank, self.device)
+    def join_broadcast_group(self, host: str, port: int, world_size: int, first_rank: int) -> list[int]:
+        """Every shard joins the weight-broadcast group, as ranks first_rank .. first_rank + shards - 1; returns
+        them."""
+        return self.llm.collective_rpc(join_broadcast, args=(host, port, world_size, first_rank))
 
     def receive_broadcast(self, version: int, meta: list) -> float:
-        """Load weights of `version` as learner rank 0 broadcasts them. Returns the seconds taken."""
-        return self._reload(receive_broadcast(self.broadcast_group, meta, self.device), version)
-
-    def _reload(self, named_tensors, version: int) -> float:
-        """Weights into the running engine (no restart), then drop prefixes cached under the old weights."""
+        """Load weights of `version` as learner rank 0 broadcasts them; every shard receives them itself. Returns
+        the seconds taken."""
         start = time.perf_counter()
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_tensors})
-        if self.llm.llm_engine.model_config.hf_text_config.tie_word_embeddings:
-            self.llm.collective_rpc(repack_lm_heads)
+        self.llm.collective_rpc(load_broadcast, args=(meta,))
+        return self._after_reload(version, start)
+
+    def _after_reload(self, version: int, start: float) -> float:
+        """Drop what was cached under the old weights: prefixes, and image embeddings (vLLM's advice; without this
+        the next image request failed: "Encoder cache miss")."""
         self.llm.reset_prefix_cache()
-        if self.vision is not None:  # image embeddings computed with the old weights go too (vLLM's advice); without
-            self.llm.llm_engine.reset_encoder_cache()  # this the next image request failed: "Encoder cache miss"
+        if self.vision is not None:
+            self.llm.llm_engine.reset_encoder_cache()
         self.version = version
         return time.perf_counter() - start

@@ -57,3 +57,12 @@ def resolve_compute_dtype(requested: str, device: str) -> str:
     if requested != "auto":
         return requested
     return "bfloat16" if fast_bfloat16(device) else "float32"
+
+
+def engine_parallelism(tensor_parallel_size: int) -> dict:
+    """vLLM engine arguments for `tensor_parallel_size` shards: one model in this process (the uni-process
+    executor), or one worker process per shard (the multiprocessing executor: gloo and shared memory between them on
+    CPU, NCCL on GPUs) inside this actor's own CPUs and GPUs. Never vLLM's Ray executor, which would reserve
+    resources outside the actor's bundle. Each worker takes the OpenMP thread count set by `pin_threads`."""
+    return {"tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp"}

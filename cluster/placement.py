@@ -29,7 +29,7 @@ class Placement:
     def options(self, role: str, index: int, name: str) -> dict:
         """Ray actor options that put actor `index` of `role` on its bundle, named for the dashboard."""
         res = self.resources[role]
-        return {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "resources": dict(res.resources), "name": name,
+        return {"num_cpus": res.actor_cpus, "num_gpus": res.actor_gpus, "resources": dict(res.resources), "name": name,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     placement_group=self.groups[role], placement_group_bundle_index=index)}
 
@@ -51,21 +51,26 @@ def check_fits(cfg: ClusterConfig, available: dict, roles: tuple[str, ...] = ROL
         total = sum(n * each for n, each in need.values())
         if total > available.get(key, 0) + 1e-9:
             detail = ", ".join(f"{name}: {n} x {each:g}" for name, (n, each) in need.items() if n * each)
+            sharded = any(getattr(cfg, r).tensor_parallel_size > 1 for r in roles)
             raise PlacementError(f"the layout needs {total:g} {key} ({detail}) but the cluster has "
-                                 f"{available.get(key, 0):g}; lower the {field} or the actor counts named")
+                                 f"{available.get(key, 0):g}; lower the {field}"
+                                 f"{', the tensor_parallel_size' if sharded else ''} or the actor counts named")
 
 
 def amount(res: ActorResources, key: str) -> float:
-    """What one actor of a role takes of resource `key` (CPU, GPU or a custom one)."""
-    return {"CPU": res.num_cpus, "GPU": res.num_gpus}.get(key, res.resources.get(key, 0.0))
+    """What one actor of a role takes of resource `key` (CPU, GPU or a custom one); every shard of a
+    tensor-parallel engine."""
+    return {"CPU": res.actor_cpus, "GPU": res.actor_gpus}.get(key, res.resources.get(key, 0.0))
 
 
 def bundles(cfg: ClusterConfig, roles: tuple[str, ...] = ROLES) -> dict[str, list[dict]]:
-    """Each role's bundles: one {CPU, GPU} per actor."""
+    """Each role's bundles: one {CPU, GPU} per actor, sized for all of a tensor-parallel engine's shards (its worker
+    processes run inside the actor's reservation)."""
     out = {}
     for role in roles:
         res: ActorResources = getattr(cfg, role)
-        out[role] = [{"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}] * res.num
+        gpus = {"GPU": res.actor_gpus} if res.actor_gpus else {}
+        out[role] = [{"CPU": res.actor_cpus, **gpus, **res.resources}] * res.num
     return out
 
 

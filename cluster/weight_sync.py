@@ -89,18 +89,26 @@ class WeightPublisher:
         return self.last
 
 
-def receive_weights(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of a manifest, fetching one bucket at a time; tensors are read-only views on the
-    shared bucket (the consumer copies them into its own parameters)."""
+def receive_buckets(manifest: WeightManifest) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """A manifest's buckets, fetched one at a time, each as its (name, tensor) pairs; tensors are read-only views on
+    the shared bucket (the consumer copies them into its own parameters)."""
     for ref, slots in manifest.buckets:
         buf = ray.get(ref)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             flat = torch.from_numpy(buf)
+        bucket = []
         for s in slots:
             dtype = getattr(torch, s.dtype)
             view = flat.view(dtype) if dtype == torch.bfloat16 else flat
-            yield s.name, view[s.offset:s.offset + s.numel].view(s.shape)
+            bucket.append((s.name, view[s.offset:s.offset + s.numel].view(s.shape)))
+        yield bucket
+
+
+def receive_weights(manifest: WeightManifest) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of a manifest, fetching one bucket at a time (see `receive_buckets`)."""
+    for bucket in receive_buckets(manifest):
+        yield from bucket
 
 
 # ---- collective transport: NCCL between GPUs, gloo on CPU ---------------------------------------------------------

@@ -55,10 +55,11 @@ def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, referenc
 def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int,
                 others: dict[str, dict[str, float]] | None = None) -> list[dict]:
     """Bundles packed onto nodes in role order, then `others` (tool actors, as `learners.services.tool_demand`
-    gives them): each actor's node and GPU indices (fractions share a GPU)."""
+    gives them): each actor's node and GPU indices (fractions share a GPU; a tensor-parallel engine takes a GPU per
+    shard, all on one node)."""
     plan, node, gpu_cursor = [], 0, 0.0
-    actors = [(role, getattr(cfg.cluster, role).num, getattr(cfg.cluster, role).num_cpus,
-               getattr(cfg.cluster, role).num_gpus) for role in roles]
+    actors = [(role, getattr(cfg.cluster, role).num, getattr(cfg.cluster, role).actor_cpus,
+               getattr(cfg.cluster, role).actor_gpus) for role in roles]
     actors += [(field.removeprefix("tools.tools."), d["num"], d["CPU"], d["GPU"]) for field, d in (others or {}).items()]
     for role, num, num_cpus, num_gpus in actors:
         for i in range(num):
@@ -84,11 +85,13 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0)
     kl = any(cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
     weight_bytes = params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
     learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num, kl)
-    # vLLM takes gpu_memory_utilization of the device for weights + KV cache, whatever the model's size.
+    # vLLM takes gpu_memory_utilization of each of its devices (one per shard) for weights + KV cache, whatever the
+    # model's size; a shard holds 1/tensor_parallel_size of the weights.
+    shards = cfg.cluster.rollout.tensor_parallel_size
     rollout = cfg.rollout.gpu_memory_utilization * gpu_memory_gb * GiB
-    per_role = {"learner": learner / GiB, "rollout": rollout / GiB}
+    per_role = {"learner": learner / GiB, "rollout": rollout * shards / GiB}
     if cfg.judge is not None and cfg.judge.backend == "vllm":  # vLLM's share of each of its GPUs
-        per_role["judge"] = cfg.judge.gpu_memory_utilization * gpu_memory_gb * max(cfg.cluster.judge.num_gpus, 1)
+        per_role["judge"] = cfg.judge.gpu_memory_utilization * gpu_memory_gb * max(cfg.cluster.judge.actor_gpus, 1)
     placement = device_plan(cfg, roles, gpus_per_node, others=tool_demand(cfg))
     for row in placement:  # reward models are the user's choice: no estimate (None) for them
         known = row["gpus"] and row["role"] in per_role
@@ -96,9 +99,13 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0)
     warnings = [f"{row['actor']}: ~{row['memory_gib']} GiB estimated but its GPUs have "
                 f"{gpu_memory_gb * max(len(row['gpus']), 1):g} GiB" for row in placement
                 if row["memory_gib"] and row["memory_gib"] > gpu_memory_gb * max(len(row["gpus"]), 1)]
-    if weight_bytes > 0.9 * rollout:
-        warnings.append(f"rollout: the weights alone ({weight_bytes / GiB:.1f} GiB) leave little or no KV cache in "
-                        f"gpu_memory_utilization x {gpu_memory_gb:g} GiB; raise rollout.gpu_memory_utilization")
+    warnings += [f"cluster.{role}: {getattr(cfg.cluster, role).actor_gpus:g} GPUs per actor (tensor_parallel_size x "
+                 f"num_gpus) but a node has {gpus_per_node}; the shards of one engine share a node"
+                 for role in roles if getattr(cfg.cluster, role).actor_gpus > gpus_per_node]
+    if weight_bytes / shards > 0.9 * rollout:
+        warnings.append(f"rollout: the weights alone ({weight_bytes / shards / GiB:.1f} GiB per shard) leave little "
+                        f"or no KV cache in gpu_memory_utilization x {gpu_memory_gb:g} GiB; raise "
+                        f"rollout.gpu_memory_utilization or cluster.rollout.tensor_parallel_size")
     return {"parameters": params, "parameters_from": source, "stages": stages,
             "gpus": sum(row["gpu_share"] for row in placement), "nodes": 1 + max(
                 [row["node"] for row in placement if row["node"] is not None], default=0),

@@ -323,9 +323,11 @@ class LearnerGroup:
         self.workers = workers
         if self.transport == "collective":
             host, port = ray.get(self.ranks[0].address.remote())
-            world = 1 + len(workers)
+            # Every shard of every engine is a rank of its own: worker i's shards are 1 + i * shards onward.
+            shards = self.cfg.cluster.rollout.tensor_parallel_size
+            world = 1 + len(workers) * shards
             ray.get([self.ranks[0].join_broadcast_group.remote(host, port, world)] +
-                    [w.join_broadcast_group.remote(host, port, world, i + 1) for i, w in enumerate(workers)])
+                    [w.join_broadcast_group.remote(host, port, world, 1 + i * shards) for i, w in enumerate(workers)])
             self.meta = ray.get(self.ranks[0].weight_meta.remote())
 
     def sync(self, version: int) -> dict:

@@ -55,8 +55,9 @@ def start_judge(cfg, placement: Placement):
     if cfg.judge is None:
         return None
     from actors.judge import JudgeActor
-    judge = JudgeActor.options(**placement.options("judge", 0, "JudgeActor")).remote(cfg.judge.model_dump(),
-                                                                                    cfg.cluster.judge.threads)
+    res = cfg.cluster.judge
+    judge = JudgeActor.options(**placement.options("judge", 0, "JudgeActor")).remote(
+        cfg.judge.model_dump(), res.threads, res.tensor_parallel_size)
     ray.get(judge.stats.remote())  # started (model loaded), or its error surfaces here
     return judge
 

@@ -175,7 +175,8 @@ class Trainer:
     def _start_rollout_workers(self, model_path: str) -> list:
         cfg, res = self.cfg, self.cfg.cluster.rollout
         return [RolloutWorker.options(**self.placement.options("rollout", i, f"RolloutWorker-{i}")).remote(
-            model_path, seed=cfg.seed, threads=res.threads, dtype=cfg.model.dtype,
+            model_path, seed=cfg.seed, threads=res.threads, tensor_parallel_size=res.tensor_parallel_size,
+            dtype=cfg.model.dtype,
             max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, version=self.step,
             grammar=cfg.rollout.grammar.model_dump(), environment=self.environment) for i in range(res.num)]

@@ -70,7 +70,8 @@ class ChatServer:
         checkpoint = local_checkpoint(self.settings.checkpoint)  # a URI on storage: fetched to this node first
         self.vision = ImageTokens.for_model(checkpoint)  # None: a text-only checkpoint
         self.engine = start_engine(checkpoint, self.settings.engine, self.device, num_cpus,
-                                   max_images=self.limits.max_images if self.vision else None)
+                                   max_images=self.limits.max_images if self.vision else None,
+                                   num_gpus=len(ray.get_gpu_ids()))
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.max_prompt_tokens = self.limits.max_prompt_tokens or self.settings.engine.max_model_len - 1
         self.metrics = serve_metrics()

@@ -35,7 +35,12 @@ class EngineSettings(Strict):
     max_num_seqs: int = Field(64, ge=1, description="sequences decoded together")
     kv_cache_gb: float = Field(1.0, gt=0, description="KV cache on CPU (on GPU: gpu_memory_utilization)")
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    threads: int | None = Field(None, ge=1, description="OpenMP threads on CPU; default: the replica's num_cpus, >= 1")
+    threads: int | None = Field(None, ge=1, description="OpenMP threads on CPU, per shard; default: the replica's "
+                                                        "num_cpus over tensor_parallel_size, >= 1")
+    tensor_parallel_size: int = Field(1, ge=1, description="shards of the model, one vLLM worker process each, all "
+                                                           "inside the replica: give the ChatServer deployment's "
+                                                           "ray_actor_options that many GPUs (num_gpus) on a GPU "
+                                                           "cluster, that many times the CPUs per shard on CPU")
     seed: int = 0
 
 

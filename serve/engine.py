@@ -16,6 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
+from cluster.devices import engine_parallelism
 from serve.config import EngineSettings
 
 log = logging.getLogger("medray.serve")
@@ -151,18 +152,22 @@ class AsyncLLMEngine:
 
 
 def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpus: float,
-                 max_images: int | None = None):
+                 max_images: int | None = None, num_gpus: int = 0):
     """Build the engine for `device` ('cuda' or 'cpu'), setting the CPU environment vLLM reads at start-up.
-    `max_images`: images per prompt of a multimodal checkpoint (None: a text-only one)."""
+    `max_images`: images per prompt of a multimodal checkpoint (None: a text-only one). `num_cpus`, `num_gpus`: what
+    Ray gave the replica; a tensor-parallel engine needs a GPU per shard (ValueError naming the setting otherwise)."""
     from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 
-    on_cpu = device == "cpu"
+    on_cpu, shards = device == "cpu", settings.tensor_parallel_size
+    if not on_cpu and num_gpus < shards:
+        raise ValueError(f"engine.tensor_parallel_size {shards} needs {shards} GPUs in each replica but it has "
+                         f"{num_gpus}: set num_gpus: {shards} in the ChatServer deployment's ray_actor_options")
     backend = settings.backend if settings.backend != "auto" else ("in_process" if on_cpu else "async_llm")
     if on_cpu:
         from cluster.devices import pin_threads
 
-        # Ray gives workers OMP_NUM_THREADS=1, which makes vLLM-CPU ~4x slower.
-        pin_threads(settings.threads or max(1, round(num_cpus)))
+        # Ray gives workers OMP_NUM_THREADS=1, which makes vLLM-CPU ~4x slower. Each shard's worker takes this many.
+        pin_threads(settings.threads or max(1, round(num_cpus / shards)))
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gb)))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if backend == "in_process":
@@ -175,7 +180,7 @@ def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpu
                 # vLLM-CPU: no CUDA graphs to capture; and chunked prefill rewinds per-request generators, which CPU
                 # generators cannot do, so requests with a seed would fail.
                 enforce_eager=on_cpu, enable_chunked_prefill=not on_cpu,
-                distributed_executor_backend="uni" if on_cpu else None)
+                **(engine_parallelism(shards) if on_cpu or shards > 1 else {}))
     if max_images is not None:  # vLLM sizes the vision encoder's cache for this many images; no video inputs
         args["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
     log.info("starting vLLM (%s, %s) on %s", backend, checkpoint, device)
