@@ -73,10 +73,11 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     from transformers import AutoTokenizer
 
     from actors.cdir import case_image, case_text
-    from actors.environment import Grammar, ImageTokens
+    from actors.environment import Grammar
+    from actors.image_tokens import ImageTokens
     from actors.image_index import LocalImageRetriever, ensure_image_index
     from actors.rollout_worker import chat_prompt_ids
-    from serve.agent import Cdir, run_agent
+    from serve.agent import Cdir, retrieval_observer, run_agent
 
     tokenizer = AutoTokenizer.from_pretrained(vl_model_path)
     vision = ImageTokens.for_model(str(vl_model_path))
@@ -85,8 +86,8 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Which finding?"}], num_images=1)
     calls = []
 
-    async def generate(ids, budget, stops, seed, images):  # answers at once, with confidence 0.3
-        calls.append((list(ids), images))
+    async def generate(ids, images, budget, stops, seed):  # answers at once, with confidence 0.3
+        calls.append((list(ids), list(images)))
         new = tokenizer.encode("<answer>B</answer>", add_special_tokens=False)
         return "<answer>B</answer>", new, "</answer>", [math.log(0.3)] * len(new)
 
@@ -97,16 +98,18 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
         return retriever.search(images, top_k)
 
     with Image.open(scan) as image:
-        result = asyncio.run(run_agent(generate, search, tokenizer, grammar, prompt, max_tokens=64,
-                                       max_model_len=512, stop=[], seed=0, timeout_s=60,
-                                       cdir=Cdir(image.convert("RGB"), search_images, vision=vision)))
+        request_image = image.convert("RGB")
+    result = asyncio.run(run_agent(generate, retrieval_observer(search, 3, 60), tokenizer, grammar, prompt,
+                                   images=[request_image], vision=vision, max_tokens=64, max_model_len=512, stop=[],
+                                   seed=0, timeout_s=60, cdir=Cdir(request_image, search_images)))
     hit = retriever.search([str(scan)], 1)[0][0]
     trace = result.trace()
     assert trace["confidence"] == pytest.approx(0.3) and trace["cdir"]["confidence_after"] == pytest.approx(0.3)
     assert trace["cdir"]["fired"] and trace["cdir"]["case_id"] == hit["id"] and trace["cdir"]["image_shown"]
     (first, first_images), (again, again_images) = calls
-    assert first == prompt and first_images == [] and first.count(vision.pad_id) == 1
-    assert len(again_images) == 1 and np.array_equal(again_images[0], case_image(hit))
+    assert first == prompt and first_images == [request_image] and first.count(vision.pad_id) == 1
+    assert len(again_images) == 2 and again_images[0] is request_image
+    assert np.array_equal(np.asarray(again_images[1]), case_image(hit))
     shown = grammar.wrap_observation(vision.placeholder + case_text(hit))
     assert again[:len(prompt)] == prompt and tokenizer.decode(again[len(prompt):]) == shown
     assert trace["transcript"] == shown + "<answer>B</answer>" and result.answer == "B"
