@@ -17,9 +17,11 @@ tempered distribution; the engine's `prompt_logprobs` of the sequence would then
 choice.) "Right after `<answer>`" skips whitespace-only tokens: in `<answer>\\nB` the token that names the option is
 "B", not the newline. An episode without a complete answer block has no eta, and CDIR does not fire for it.
 
-The retrieved case is shown as an observation of the grammar (`<retrieve>Similar case ...: caption</retrieve>`), the
-way the policy already reads retrieved knowledge. A text-only policy gets the caption; the similar image itself needs
-the rollout worker to take images in a continuation (see :func:`apply_cdir`).
+The retrieved case is shown as an observation of the grammar, the way the policy already reads retrieved knowledge: a
+multimodal policy gets the case's image and caption, as the paper integrates "the retrieved image feature and text
+tokens" (`<retrieve><|vision_start|><|image_pad|>...<|vision_end|>Similar case ...: caption</retrieve>`, the image
+placed as an environment's images are, :func:`actors.environment.observation_tokens`); a text-only policy, which
+cannot take the image, gets the caption alone.
 """
 from __future__ import annotations
 
@@ -28,8 +30,10 @@ import math
 import re
 
 import numpy as np
+from PIL import Image
 
-from actors.environment import Grammar, derive_seed
+from actors.environment import Grammar, derive_seed, observation_tokens, rgb_array
+from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 
 THRESHOLD = 0.8
@@ -88,6 +92,22 @@ def case_text(hit: dict) -> str:
     return f"Similar case (image similarity {hit['score']:.2f}): {hit['caption']}"
 
 
+def case_image(hit: dict) -> np.ndarray:
+    """The retrieved case's image (RGB array), read from its corpus file."""
+    with Image.open(hit["image_path"]) as image:
+        return rgb_array(image)
+
+
+def case_observation(hit: dict, tokenizer, grammar: Grammar, vision: ImageTokens | None
+                     ) -> tuple[list[int], list[np.ndarray], list[tuple[int, int, int]]]:
+    """The retrieved case as the policy reads it: for a multimodal policy (`vision`) its image (a full run of pads)
+    then its caption inside the observation tags, for a text-only one (None) the caption alone; at most
+    `grammar.max_observation_tokens` tokens (an image that does not fit is dropped whole). Returns the ids and the
+    images shown with their patch grids."""
+    return observation_tokens(tokenizer, grammar, vision, case_text(hit), [case_image(hit)] if vision else [],
+                              grammar.max_observation_tokens)
+
+
 def mean_or_none(values: list[float | None]) -> float | None:
     kept = [v for v in values if v is not None]
     return float(np.mean(kept)) if kept else None
@@ -109,60 +129,67 @@ def cdir_summary(before: list[float | None], after: list[float | None], correct_
             "fired_confidence_after": mean_or_none([after[i] for i in on])}
 
 
-def reanswered(traj: Trajectory, observation_ids: list[int], generated: dict, record: dict, tokenizer) -> Trajectory:
-    """The trajectory with its answer turn replaced by the case observation (loss mask 0) and the new answer."""
+def reanswered(traj: Trajectory, observation_ids: list[int], generated: dict, record: dict, tokenizer,
+               images: list = (), grids: list = ()) -> Trajectory:
+    """The trajectory with its answer turn replaced by the case observation (loss mask 0; `images` with their `grids`:
+    the ones it shows) and the new answer."""
     keep = final_turn_start(traj.loss_mask)
     ids = traj.response_ids[:keep] + observation_ids + generated["ids"]
     return dataclasses.replace(
         traj, response_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=False),
         logprobs=traj.logprobs[:keep] + [0.0] * len(observation_ids) + generated["logprobs"],
         loss_mask=traj.loss_mask[:keep] + [0] * len(observation_ids) + [1] * len(generated["ids"]),
-        finish_reason=generated["finish_reason"], turns=[*traj.turns, record])
+        finish_reason=generated["finish_reason"], turns=[*traj.turns, record], images=[*traj.images, *images],
+        image_grids=[*traj.image_grids, *grids])
 
 
 def apply_cdir(trajectories: list[Trajectory], workers: list, image_retriever, tokenizer, grammar: Grammar,
-               sampling: dict, seed: int, threshold: float = THRESHOLD) -> tuple[list[Trajectory], dict]:
+               sampling: dict, seed: int, threshold: float = THRESHOLD,
+               vision: ImageTokens | None = None) -> tuple[list[Trajectory], dict]:
     """Algorithm 1 over finished episodes: eta of each; for those below ``threshold`` whose task has an image, the
     top image-caption pair from ``image_retriever`` (an ImageRetriever actor) joins the context and the rollout
     ``workers`` answer again (one generation ending at `</answer>`, as Algorithm 1 regenerates y once).
 
-    Returns the final trajectories (re-answered where CDIR fired, each with a turn record ``{"cdir": ...}``) and
-    :func:`cdir_summary` plus per-episode records. Text-only policies: the caption joins the context. A multimodal
-    policy's trajectories carry images, and its continuation needs the worker to take them (not yet there): refused.
+    ``vision``: the policy's image tokens (:meth:`ImageTokens.for_model`), None for a text-only policy. A multimodal
+    policy is shown the case's image and caption after its own images, a text-only one the caption
+    (:func:`case_observation`). Returns the final trajectories (re-answered where CDIR fired, each with a turn record
+    ``{"cdir": ...}``) and :func:`cdir_summary` plus per-episode records (the case shown, where it fired).
     """
     import ray
 
     from rewards.builtin import answer_correct
 
+    if vision is None and any(t.images for t in trajectories):
+        raise ValueError("apply_cdir: the trajectories hold images (a multimodal policy) but no `vision` was given")
     pieces = [token_pieces(tokenizer, t.response_ids) for t in trajectories]
     before = [answer_confidence(p, t.logprobs, t.loss_mask, grammar.answer_tag) for p, t in zip(pieces, trajectories)]
     fired = [cdir_fires(c, threshold) and bool(t.task.get("images")) for c, t in zip(before, trajectories)]
     on = [i for i, f in enumerate(fired) if f]
-    if any(trajectories[i].images for i in on):
-        raise NotImplementedError("CDIR re-answer of a multimodal policy needs RolloutWorker to continue an episode "
-                                  "with images (the retrieved case's image); only text-only policies are supported")
-    final, after = list(trajectories), list(before)
+    final, after, cases = list(trajectories), list(before), {}
     if on:
-        hits = ray.get(image_retriever.search.remote([trajectories[i].task["images"][0] for i in on], 1))
-        observations = [tokenizer.encode(grammar.wrap_observation(case_text(h[0])), add_special_tokens=False)
-                        [:grammar.max_observation_tokens] for h in hits]
-        prompts = [t.prompt_ids + t.response_ids[:final_turn_start(t.loss_mask)] + obs
-                   for t, obs in zip([trajectories[i] for i in on], observations)]
+        hits = [h[0] for h in ray.get(image_retriever.search.remote([trajectories[i].task["images"][0] for i in on],
+                                                                    1))]
+        shown = [case_observation(hit, tokenizer, grammar, vision) for hit in hits]
+        chosen = [trajectories[i] for i in on]
+        prompts = [t.prompt_ids + t.response_ids[:final_turn_start(t.loss_mask)] + ids
+                   for t, (ids, _, _) in zip(chosen, shown)]
+        images = [[*t.images, *case_images] for t, (_, case_images, _) in zip(chosen, shown)]
         params = {**sampling, "stop": sorted(set(sampling.get("stop") or []) | {f"</{grammar.answer_tag}>"})}
         seeds = [derive_seed(seed, i, "cdir") for i in on]
         parts = np.array_split(np.arange(len(on)), len(workers))
-        refs = [w.generate.remote([prompts[j] for j in part], params, [seeds[j] for j in part])
-                for w, part in zip(workers, parts) if len(part)]
+        refs = [w.generate.remote([prompts[j] for j in part], params, [seeds[j] for j in part],
+                                  [images[j] for j in part]) for w, part in zip(workers, parts) if len(part)]
         generated = [g for ref in refs for g in ray.get(ref)]
-        for i, hit, obs, gen in zip(on, hits, observations, generated):
-            record = {"cdir": {"confidence": before[i], "threshold": threshold, "case_id": hit[0]["id"],
-                               "caption": hit[0]["caption"], "image_path": hit[0]["image_path"],
-                               "score": hit[0]["score"]}}
-            final[i] = reanswered(trajectories[i], obs, gen, record, tokenizer)
+        for i, hit, (ids, case_images, grids), gen in zip(on, hits, shown, generated):
+            cases[i] = {"case_id": hit["id"], "caption": hit["caption"], "image_path": hit["image_path"],
+                        "score": hit["score"], "image_shown": bool(case_images)}
+            final[i] = reanswered(trajectories[i], ids, gen, {"cdir": {"confidence": before[i],
+                                                                       "threshold": threshold, **cases[i]}},
+                                  tokenizer, case_images, grids)
             after[i] = answer_confidence(token_pieces(tokenizer, gen["ids"]), gen["logprobs"], [1] * len(gen["ids"]),
                                          grammar.answer_tag)
     summary = cdir_summary(before, after, [answer_correct(t) for t in trajectories],
                            [answer_correct(t) for t in final], fired, threshold)
-    summary["episodes"] = [{"task_id": t.task.get("id"), "fired": f, "confidence_before": b, "confidence_after": a}
-                           for t, f, b, a in zip(trajectories, fired, before, after)]
+    summary["episodes"] = [{"task_id": t.task.get("id"), "fired": fired[i], "confidence_before": before[i],
+                            "confidence_after": after[i], **cases.get(i, {})} for i, t in enumerate(trajectories)]
     return final, summary

@@ -319,22 +319,31 @@ class EpisodeRunner:
         return stats
 
     def observation_ids(self, ep: Episode, obs: Observation, limit: int) -> list[int]:
-        """The observation's tokens, at most `limit`: its images first inside the observation tags, then its text.
-        Images that fit join the episode's images (the next turns see them); one that does not is dropped whole."""
-        if not obs.images:
-            return self.tokenizer.encode(self.grammar.wrap_observation(obs.text), add_special_tokens=False)[:limit]
-        if self.vision is None:
+        """The observation's tokens (:func:`observation_tokens`); the images that fit join the episode's images (the
+        next turns see them)."""
+        if obs.images and self.vision is None:
             raise ValueError(f"the environment returned {len(obs.images)} images for task {ep.task.get('id')!r}, "
                              "but the policy model is text-only (no image processor)")
-        images = [rgb_array(im) for im in obs.images]
-        grids = [self.vision.grid(im) for im in images]
-        text = self.grammar.wrap_observation(self.vision.placeholder * len(images) + obs.text)
-        ids = self.vision.expand(self.tokenizer.encode(text, add_special_tokens=False), grids)
-        ids = ids[:self.vision.cut(ids, limit)]
-        kept = ids.count(self.vision.start_id)
-        ep.images += images[:kept]
-        ep.image_grids += grids[:kept]
+        ids, images, grids = observation_tokens(self.tokenizer, self.grammar, self.vision, obs.text, obs.images, limit)
+        ep.images += images
+        ep.image_grids += grids
         return ids
+
+
+def observation_tokens(tokenizer, grammar: Grammar, vision: ImageTokens | None, text: str, images: list,
+                       limit: int) -> tuple[list[int], list[np.ndarray], list[tuple[int, int, int]]]:
+    """An observation as the policy reads it, at most `limit` tokens: its images first inside the grammar's observation
+    tags (each a full run of pads; `vision` is needed when there are images), then its text. Returns the ids and the
+    images that fit (RGB arrays) with their patch grids: an image that does not fit is dropped whole."""
+    if not images:
+        return tokenizer.encode(grammar.wrap_observation(text), add_special_tokens=False)[:limit], [], []
+    arrays = [rgb_array(im) for im in images]
+    grids = [vision.grid(im) for im in arrays]
+    ids = vision.expand(tokenizer.encode(grammar.wrap_observation(vision.placeholder * len(arrays) + text),
+                                         add_special_tokens=False), grids)
+    ids = ids[:vision.cut(ids, limit)]
+    kept = ids.count(vision.start_id)
+    return ids, arrays[:kept], grids[:kept]
 
 
 def to_trajectory(ep: Episode, tokenizer, version: int) -> Trajectory:

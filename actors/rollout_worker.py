@@ -91,21 +91,39 @@ class RolloutWorker:
     def chat_prompt_ids(self, messages: list[dict]) -> list[int]:
         return chat_prompt_ids(self.tokenizer, messages)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: dict, seeds: list[int]) -> list[dict]:
+    def generate(self, prompt_ids: list[list[int]], sampling: dict, seeds: list[int],
+                 images: list[list] | None = None) -> list[dict]:
         """One sample per prompt, each with its own seed (so results do not depend on batching or on which
-        worker runs them). Returns token ids, their log-probabilities and the finish reason per sample."""
-        from vllm import SamplingParams, TokensPrompt
+        worker runs them). Returns token ids, their log-probabilities and the finish reason per sample. `images[i]`:
+        the images of prompt i, whose ids hold their full pad runs (as a trajectory's do). A multimodal policy stops
+        at an image token, which is dropped (finish reason "vision_token"), as in an episode (EpisodeRunner)."""
+        from vllm import SamplingParams
 
+        if self.vision:
+            sampling = {**sampling, "stop_token_ids": sorted(set(sampling.get("stop_token_ids") or []) |
+                                                             set(self.vision.special_ids))}
         params = [SamplingParams(**sampling, seed=s, logprobs=0, skip_special_tokens=False,
                                  include_stop_str_in_output=True) for s in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False)
+        outputs = self.llm.generate(self.engine_prompts(prompt_ids, images), params, use_tqdm=False)
         results = []
         for out in outputs:
             seq = out.outputs[0]
             ids = list(seq.token_ids)
-            results.append({"ids": ids, "logprobs": [lp[t].logprob for lp, t in zip(seq.logprobs, ids)],
-                            "text": seq.text, "finish_reason": seq.finish_reason or "length"})
+            logprobs = [lp[t].logprob for lp, t in zip(seq.logprobs, ids)]
+            if self.vision and ids and ids[-1] in self.vision.special_ids:
+                results.append({"ids": ids[:-1], "logprobs": logprobs[:-1], "finish_reason": "vision_token",
+                                "text": self.tokenizer.decode(ids[:-1], skip_special_tokens=False)})
+                continue
+            results.append({"ids": ids, "logprobs": logprobs, "text": seq.text,
+                            "finish_reason": seq.finish_reason or "length"})
         return results
+
+    def engine_prompts(self, sequences: list[list[int]], images: list[list] | None) -> list:
+        """vLLM's prompts: `sequences[i]` as is, or with `images[i]`, each image's pad run collapsed to one pad."""
+        from vllm import TokensPrompt
+
+        return [TokensPrompt(prompt_token_ids=self.vision.collapse(s), multi_modal_data={"image": im}) if im
+                else TokensPrompt(prompt_token_ids=s) for s, im in zip(sequences, images or [None] * len(sequences))]
 
     def rollout(self, tasks: list[dict], groups: list[int], group_size: int, sampling: dict,
                 seed: int, grammar: dict | None = None,
@@ -151,12 +169,10 @@ class RolloutWorker:
     def prompt_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         """log p(token_t | tokens_<t) under the engine's current weights, for t >= 1 of each sequence.
         `images[i]`: the images of sequence i (a trajectory's `images`; its ids hold their full pad runs)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
-        prompts = [TokensPrompt(prompt_token_ids=self.vision.collapse(s), multi_modal_data={"image": im}) if im
-                   else TokensPrompt(prompt_token_ids=s) for s, im in zip(sequences, images or [None] * len(sequences))]
-        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        outs = self.llm.generate(self.engine_prompts(sequences, images), params, use_tqdm=False)
         return [[lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, sequences)]
 
     def update_weights(self, manifest: WeightManifest) -> float:

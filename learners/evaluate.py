@@ -15,9 +15,11 @@ environment calls and errors per sample. Writes `eval.json`, `eval.md` and `samp
 
 `--cdir` adds Med-RwR's test-time image re-retrieval (actors/cdir.py) over an image index (`--image-index`, built by
 `python -m actors.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first
-use): the report gains its rows (how often it fired; accuracy and confidence before and after). The metrics above are
-those of the first answers. A text-only policy on an imaging task reads the question without its images (it cannot
-take them); CDIR still retrieves by the task's image and shows the similar case's caption.
+use): the report gains its rows (how often it fired; accuracy and confidence before and after), and each sample its
+`cdir` record (the case shown and the second answer where it fired). The metrics above are those of the first answers.
+A multimodal policy is shown the similar case's image and caption before it answers again. A text-only policy on an
+imaging task reads the question without its images (it cannot take them); CDIR still retrieves by the task's image and
+shows it the similar case's caption.
 """
 from __future__ import annotations
 
@@ -82,11 +84,24 @@ def gold_retrieved(trajectory) -> bool:
     return any(chunk.get("doc_id") == gold for turn in trajectory.turns for chunk in turn.get("chunks", []))
 
 
-def write_samples(path: Path, trajectories: list) -> None:
+def sample_record(trajectory) -> dict:
     from rewards.builtin import answer_correct, extract_answer
+    return {"answer": extract_answer(trajectory.text), "correct": answer_correct(trajectory), "text": trajectory.text}
+
+
+def write_samples(path: Path, trajectories: list, cdir: dict | None = None, reanswers: list | None = None) -> None:
+    """One line per episode: task id, gold, the response text, its answer and whether it is correct. With `cdir`
+    (apply_cdir's summary, `reanswers` its trajectories), each line's `cdir`: whether it fired, the confidence before
+    and after and, where it fired, the case shown (id, caption, image path, score, whether its image was shown) and
+    the second answer (`reanswer`: answer, correct, text)."""
     from tasks.files import write_jsonl
-    write_jsonl(path, [{"id": t.task.get("id"), "gold": t.task.get("answer"), "answer": extract_answer(t.text),
-                        "correct": answer_correct(t), "text": t.text} for t in trajectories])
+
+    rows = [{"id": t.task.get("id"), "gold": t.task.get("answer"), **sample_record(t)} for t in trajectories]
+    for row, episode, again in zip(rows, (cdir or {}).get("episodes", []), reanswers or []):
+        row["cdir"] = {k: v for k, v in episode.items() if k != "task_id"}
+        if episode["fired"]:
+            row["cdir"]["reanswer"] = sample_record(again)
+    write_jsonl(path, rows)
 
 
 def markdown(metrics: dict, title: str) -> str:
@@ -194,23 +209,24 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
                                                batch_size, eval_grammar(cfg, cfg.rollout.grammar.model_dump()))
         for traj, task in zip(trajectories, tasks):
             traj.task = task  # scoring and CDIR read the task as written, images included
-        metrics = score(trajectories, summaries)
+        metrics, reanswers = score(trajectories, summaries), None
         if judge_actor is not None:
             metrics.update(judge_open_answers(open_questions(trajectories), judge_actor))
-        if samples is not None:
-            write_samples(samples, trajectories)
         if cdir:
             from transformers import AutoTokenizer
 
+            from actors.image_tokens import ImageTokens
             from actors.image_index import ImageRetriever, ensure_image_index
             from actors.cdir import apply_cdir
 
             index_dir = image_index or str(ensure_image_index(progress=True))
             image_retriever = ImageRetriever.options(num_cpus=0, name="EvalImageRetriever-0").remote(index_dir)
-            _, metrics["cdir"] = apply_cdir(trajectories, workers, image_retriever,
-                                            AutoTokenizer.from_pretrained(checkpoint), cfg.rollout.grammar, sampling,
-                                            cfg.seed, cdir_threshold)
+            reanswers, metrics["cdir"] = apply_cdir(
+                trajectories, workers, image_retriever, AutoTokenizer.from_pretrained(checkpoint),
+                cfg.rollout.grammar, sampling, cfg.seed, cdir_threshold, vision=ImageTokens.for_model(checkpoint))
             metrics["cdir"]["image_index"] = index_dir
+        if samples is not None:
+            write_samples(samples, trajectories, metrics.get("cdir"), reanswers)
     finally:
         for actor in workers + (environment.actors() if environment else []) + \
                 [a for a in (image_retriever, judge_actor) if a is not None]:

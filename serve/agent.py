@@ -11,9 +11,11 @@ holds one placeholder per image (vLLM's form) and the room left counts the token
 CDIR (Med-RwR's test-time image re-retrieval, `actors/cdir.py`): when the request's image and an image search are
 given, the answer's confidence (the probability of the option token after `<answer>`, from the engine's log-prob of
 the sampled token: vLLM's default `raw_logprobs`, the model's own distribution whatever the temperature) below the
-threshold drops the answer turn, shows the most similar image-caption case as an observation, and answers again.
-The trace carries the confidence and, whenever CDIR was asked for, its record: `{"fired", "threshold"}`, plus the case
-(`case_id`, `caption`, `score`) and `confidence_after` when it fired (or `error` when the image search failed).
+threshold drops the answer turn, shows the most similar image-caption case as an observation (a multimodal model:
+the case's image, then its caption, as evaluation shows it, `actors.cdir.case_observation`), and answers again. The
+trace carries the confidence and, whenever CDIR was asked for, its record: `{"fired", "threshold"}`, plus the case
+(`case_id`, `caption`, `score`, `image_shown`) and `confidence_after` when it fired (or `error` when the image search
+failed); the transcript holds the case's observation, its image as one placeholder.
 
 Streaming (`stream_agent`): one `chat.completion.chunk` per event, as it happens: each model turn's text and each
 observation in `delta.reasoning_content` (their concatenation is the transcript, with any answer turn CDIR dropped),
@@ -33,7 +35,7 @@ from typing import AsyncIterator, Awaitable, Callable
 from PIL import Image
 
 from actors.environment import Grammar, retrieval_text, rgb_array, turn_seed
-from actors.cdir import THRESHOLD, answer_confidence, case_text, cdir_fires, token_pieces
+from actors.cdir import THRESHOLD, answer_confidence, case_image, case_text, cdir_fires, token_pieces
 from actors.image_tokens import ImageTokens
 from serve.protocol import APIError, chunk, sse, usage, usage_chunk
 
@@ -153,9 +155,9 @@ async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Gra
             result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns,
                                  confidence, None if cdir is None else {"fired": False, "threshold": cdir.threshold})
             if cdir is not None and cdir_fires(confidence, cdir.threshold):
-                return await _reanswer(result, cdir, generate, tokenizer, grammar, ids[:turn_start[0]], images,
-                                       transcript[:turn_start[1]], prefix, max_tokens, max_model_len - image_tokens,
-                                       stop, turn_sampling_seed, timeout_s, emit)
+                return await _reanswer(result, cdir, generate, tokenizer, grammar, vision, ids[:turn_start[0]],
+                                       images, transcript[:turn_start[1]], prefix, max_tokens,
+                                       max_model_len - image_tokens, stop, turn_sampling_seed, timeout_s, emit)
             return result
         if stopped_by != grammar.action_close:
             return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
@@ -197,31 +199,32 @@ def observation_tokens(step: Step, grammar: Grammar, tokenizer, vision: ImageTok
 
 
 async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
-                    history_ids: list[int], images: list, history: str, prefix: str, max_tokens: int,
-                    max_model_len: int, stop: list[str], seed: int | None, timeout_s: float,
+                    vision: ImageTokens | None, history_ids: list[int], images: list, history: str, prefix: str,
+                    max_tokens: int, max_model_len: int, stop: list[str], seed: int | None, timeout_s: float,
                     emit: Emit) -> AgentResult:
     """Eqn. 7 of Med-RwR: the answer turn is dropped, the most similar image-caption case joins the context after
-    the reasoning history, and the model answers once more (the dropped turn's tokens still count as written). A
-    failed image search keeps the first answer."""
+    the reasoning history (a multimodal model, `vision`: its image, then its caption, after the episode's `images`;
+    a text-only one: the caption), and the model answers once more (the dropped turn's tokens still count as
+    written). A failed image search, or an unreadable case image, keeps the first answer."""
     try:
         hit = (await asyncio.wait_for(cdir.search_images([cdir.image], 1), timeout_s))[0][0]
+        case = Step(case_text(hit), {}, images=[case_image(hit)] if vision else [])
+        observation_ids, shown_images, expanded = observation_tokens(case, grammar, tokenizer, vision)
     except Exception as e:  # noqa: BLE001  no case to add: the first answer stands, and the trace says why
         return dataclasses.replace(first, cdir={"fired": True, "threshold": cdir.threshold,
                                                 "error": type(e).__name__})
-    observation_ids = tokenizer.encode(grammar.wrap_observation(case_text(hit)),
-                                       add_special_tokens=False)[:grammar.max_observation_tokens]
     ids = history_ids + observation_ids
     shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
     transcript = history + shown
     emit({"kind": "cdir", "turn": len(first.turns), "case_id": hit["id"], "text": shown})
     written = first.completion_tokens
-    room = min(max_tokens - written, max_model_len - len(ids))
+    room = min(max_tokens - written, max_model_len - expanded - len(ids))
     record = {"fired": True, "threshold": cdir.threshold, "case_id": hit["id"], "caption": hit["caption"],
-              "score": hit["score"]}
+              "score": hit["score"], "image_shown": bool(shown_images)}
     if room <= 0:
         return dataclasses.replace(first, cdir={**record, "error": "no room to answer again"})
     text, new_ids, stopped_by, logprobs = await generate(
-        ids, images, room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
+        ids, [*images, *shown_images], room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
     transcript += text
     emit({"kind": "model", "turn": len(first.turns), "text": text})
     answered = stopped_by == f"</{grammar.answer_tag}>"

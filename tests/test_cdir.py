@@ -1,5 +1,6 @@
 """BiomedCLIP (tiny, offline), the CDIR image index, Med-RwR's confidence-driven image re-retrieval and the image half
 of its query-semantic reward."""
+import dataclasses
 import json
 import math
 import shutil
@@ -13,8 +14,10 @@ from actors.biomedclip import load_biomedclip
 from actors.image_index import (IndexMismatchError, LocalImageRetriever, build_image_index, check_image_manifest,
                                 default_corpus, read_image_manifest)
 from actors.environment import Grammar
+from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
-from actors.cdir import answer_confidence, answer_token_index, cdir_fires, reanswered, token_pieces
+from actors.cdir import (answer_confidence, answer_token_index, case_observation, case_text, cdir_fires,
+                         final_turn_start, reanswered, token_pieces)
 from rewards.query_semantic import QuerySemanticImage, image_query_cosine
 
 PUBMEDBERT = "microsoft/BiomedNLP-BiomedBERT-base-uncased-abstract"
@@ -180,6 +183,56 @@ def test_reanswer_drops_the_answer_turn_and_shows_the_case(tokenizer):
     assert len(out.logprobs) == len(out.response_ids) and out.turns[-1]["cdir"]["case_id"] == "cdir-000001"
 
 
+@pytest.fixture(scope="module")
+def vl_tokenizer():
+    from transformers import AutoTokenizer
+
+    from tasks.tiny_models import TinyModelConfig, ensure_tiny_model
+    return AutoTokenizer.from_pretrained(ensure_tiny_model(TinyModelConfig(arch="qwen2_5_vl")))
+
+
+@pytest.fixture(scope="module")
+def vision(vl_tokenizer):
+    return ImageTokens.for_model(vl_tokenizer.name_or_path)
+
+
+def vl_trajectory(row: dict, tokenizer, vision, response: str) -> Trajectory:
+    """A multimodal policy's episode on a question about corpus case `row`'s image, answered with `response`."""
+    from actors.rollout_worker import task_prompt
+
+    task = {"id": row["id"], "images": [row["image"]], "answer": "A", "options": dict.fromkeys("ABCD", "x"),
+            "messages": [{"role": "user", "content": "Which option?"}]}
+    prompt, images, grids = task_prompt(task, tokenizer, vision)
+    ids = tokenizer.encode(response, add_special_tokens=False)
+    return Trajectory(task=task, group=0, prompt_ids=prompt, response_ids=ids, logprobs=[-1.0] * len(ids),
+                      loss_mask=[1] * len(ids), text=response, finish_reason="stop", weight_version=0,
+                      images=images, image_grids=grids)
+
+
+def test_a_multimodal_policy_answers_again_with_the_case_image_and_caption(clip, corpus, index, tokenizer,
+                                                                           vl_tokenizer, vision):
+    """The re-answer context of a multimodal policy holds one image more than its question, the case's own pixels
+    as a full run of pads inside the observation tags before the caption; a text-only policy reads the caption."""
+    grammar = Grammar()
+    row = json.loads(corpus.read_text().splitlines()[1])
+    hit = LocalImageRetriever(index, model=clip, corpus=corpus).search([row["image"]], 1)[0][0]
+    traj = vl_trajectory(row, vl_tokenizer, vision, "<answer>A</answer>")
+    ids, images, grids = case_observation(hit, vl_tokenizer, grammar, vision)
+    new = vl_tokenizer.encode("<answer>B</answer>", add_special_tokens=False)
+    out = reanswered(traj, ids, {"ids": new, "logprobs": [-0.5] * len(new), "finish_reason": "stop"},
+                     {"cdir": {"case_id": hit["id"]}}, vl_tokenizer, images, grids)
+    with Image.open(hit["image_path"]) as image:
+        case_pixels = np.asarray(image.convert("RGB"))
+    assert len(traj.images) == 1 and len(out.images) == 2 and np.array_equal(out.images[1], case_pixels)
+    context = out.prompt_ids + out.response_ids
+    assert context.count(vision.start_id) == 2 and vision.expand(vision.collapse(context), out.image_grids) == context
+    assert out.text.startswith("\n<retrieve>\n<|vision_start|><|image_pad|>")
+    assert out.text.endswith(f"<|vision_end|>{case_text(hit)}\n</retrieve>\n<answer>B</answer>")
+    assert out.loss_mask == [0] * len(ids) + [1] * len(new) and final_turn_start(out.loss_mask) == len(ids)
+    text_ids, text_images, _ = case_observation(hit, tokenizer, grammar, None)
+    assert text_images == [] and tokenizer.decode(text_ids) == grammar.wrap_observation(case_text(hit))
+
+
 def test_image_query_cosine_by_hand():
     # (3, 4) . (4, 3) = 24; |(3, 4)| |(4, 3)| = 25
     assert image_query_cosine([3, 4], [4, 3]) == pytest.approx(0.96)
@@ -241,6 +294,51 @@ def test_cdir_end_to_end_on_rollout_workers(ray_session, tiny_model_path, tokeni
     assert final[i].turns[-1]["cdir"]["case_id"] == rows[i]["id"]  # the task's own image is in the corpus
     assert rows[i]["caption"] in final[i].text
     assert all(final[j] is trajectories[j] for j in range(3) if j != i)
+
+
+@pytest.mark.slow
+def test_cdir_shows_a_multimodal_policy_the_case_image(ray_session, corpus, index, vl_tokenizer, vision, tmp_path):
+    """apply_cdir on a multimodal RolloutWorker: each fired episode answers again with its case's image and caption in
+    the context (the engine's log-probs of the new answer are those of that context with that image, not with the
+    image flipped), and the evaluation's samples record the case and the second answer."""
+    from actors.cdir import apply_cdir
+    from actors.image_index import ImageRetriever
+    from actors.rollout_worker import RolloutWorker
+    from learners.evaluate import write_samples
+
+    rows = [json.loads(line) for line in corpus.read_text().splitlines()[:2]]
+    worker = RolloutWorker.options(num_cpus=0).remote(vl_tokenizer.name_or_path, seed=0, threads=1,
+                                                      max_model_len=512, kv_cache_gb=0.25)
+    retriever = ImageRetriever.options(num_cpus=0).remote(str(index))
+    try:
+        trajectories = [vl_trajectory(row, vl_tokenizer, vision, "<answer>A</answer>") for row in rows]
+        engine = ray_session.get(worker.prompt_logprobs.remote([t.prompt_ids + t.response_ids for t in trajectories],
+                                                               [t.images for t in trajectories]))
+        trajectories = [dataclasses.replace(t, logprobs=lp[-len(t.response_ids):])  # teacher-forced answers
+                        for t, lp in zip(trajectories, engine)]
+        final, summary = apply_cdir(trajectories, [worker], retriever, vl_tokenizer, Grammar(),
+                                    {"temperature": 0.0, "max_tokens": 8}, seed=0, threshold=1.0, vision=vision)
+        sequences = [t.prompt_ids + t.response_ids for t in final]
+        seen = ray_session.get(worker.prompt_logprobs.remote(sequences, [t.images for t in final]))
+        flipped = ray_session.get(worker.prompt_logprobs.remote(
+            sequences, [[t.images[0], np.ascontiguousarray(t.images[1][::-1])] for t in final]))
+    finally:
+        ray_session.kill(worker)
+        ray_session.kill(retriever)
+    assert summary["fired"] == 2  # a random policy's confidence is below 1
+    for row, before, after, lp, lp_flipped in zip(rows, trajectories, final, seen, flipped):
+        case = after.turns[-1]["cdir"]
+        assert case["case_id"] == row["id"] and case["image_shown"]  # the task's own image is in the corpus
+        assert len(after.images) == len(before.images) + 1 and case["caption"] in after.text
+        answer = len(after.response_ids) - final_turn_start(after.loss_mask)
+        assert answer > 0 and after.logprobs[-answer:] == pytest.approx(lp[-answer:], abs=1e-4)
+        assert np.max(np.abs(np.array(lp[-answer:]) - np.array(lp_flipped[-answer:]))) > 1e-4
+    write_samples(tmp_path / "samples.jsonl", trajectories, summary, final)
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    for sample, row, after in zip(samples, rows, final):
+        assert sample["text"] == "<answer>A</answer>" and sample["cdir"]["fired"]
+        assert sample["cdir"]["case_id"] == row["id"] and sample["cdir"]["image_shown"]
+        assert sample["cdir"]["reanswer"]["text"] == after.text and row["caption"] in sample["cdir"]["reanswer"]["text"]
 
 
 def best_caption_modality(clip, pixels, tokens, captions) -> float:

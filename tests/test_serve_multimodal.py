@@ -61,6 +61,60 @@ def test_cdir_settings_are_checked_when_the_app_is_built(tiny_model_path, vl_mod
         resolve(vl_model_path, cdir_threshold=1.5)
 
 
+def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, scan):
+    """run_agent on the tiny VL tokenizer with a scripted model and the imaging world's image index: a low-confidence
+    answer brings the case most like the request's scan, and the second turn's prompt holds its image (one
+    placeholder, the image handed to the engine beside it) and caption; the trace names the case."""
+    import asyncio
+    import math
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from actors.cdir import case_image, case_text
+    from actors.environment import Grammar
+    from actors.image_tokens import ImageTokens
+    from actors.image_index import LocalImageRetriever, ensure_image_index
+    from actors.rollout_worker import chat_prompt_ids
+    from serve.agent import Cdir, retrieval_observer, run_agent
+
+    tokenizer = AutoTokenizer.from_pretrained(vl_model_path)
+    vision = ImageTokens.for_model(str(vl_model_path))
+    retriever = LocalImageRetriever(ensure_image_index())
+    grammar = Grammar(action_tag="query")
+    prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Which finding?"}], num_images=1)
+    calls = []
+
+    async def generate(ids, images, budget, stops, seed):  # answers at once, with confidence 0.3
+        calls.append((list(ids), list(images)))
+        new = tokenizer.encode("<answer>B</answer>", add_special_tokens=False)
+        return "<answer>B</answer>", new, "</answer>", [math.log(0.3)] * len(new)
+
+    async def search(queries, top_k):
+        raise AssertionError("the scripted model writes no query")
+
+    async def search_images(images, top_k):
+        return retriever.search(images, top_k)
+
+    with Image.open(scan) as image:
+        request_image = image.convert("RGB")
+    result = asyncio.run(run_agent(generate, retrieval_observer(search, 3, 60), tokenizer, grammar, prompt,
+                                   images=[request_image], vision=vision, max_tokens=64, max_model_len=512, stop=[],
+                                   seed=0, timeout_s=60, cdir=Cdir(request_image, search_images)))
+    hit = retriever.search([str(scan)], 1)[0][0]
+    trace = result.trace()
+    assert trace["confidence"] == pytest.approx(0.3) and trace["cdir"]["confidence_after"] == pytest.approx(0.3)
+    assert trace["cdir"]["fired"] and trace["cdir"]["case_id"] == hit["id"] and trace["cdir"]["image_shown"]
+    (first, first_images), (again, again_images) = calls
+    assert first == prompt and first_images == [request_image] and first.count(vision.pad_id) == 1
+    assert len(again_images) == 2 and again_images[0] is request_image
+    assert np.array_equal(np.asarray(again_images[1]), case_image(hit))
+    shown = grammar.wrap_observation(vision.placeholder + case_text(hit))
+    assert again[:len(prompt)] == prompt and tokenizer.decode(again[len(prompt):]) == shown
+    assert trace["transcript"] == shown + "<answer>B</answer>" and result.answer == "B"
+
+
 @pytest.fixture(scope="module")
 def vl_server(ray_session, vl_model_path, tmp_path_factory):
     """serve.app:app on the tiny VL model, agent mode over a BM25 index, CDIR over the imaging world's image index."""
@@ -147,8 +201,9 @@ def test_bad_image_requests_get_4xx(vl_server, client, scan):
 def test_agent_mode_runs_cdir_on_the_request_image(vl_server, client, scan, vl_model_path):
     """A logit bias on `<answer>` and `</answer>` makes the random model answer at once; the answer's confidence is
     the model's own probability of its first answer token (vLLM's raw log-prob, before the bias), far below 0.8 for a
-    random model, so CDIR fires: the trace names the case the image index finds for the scan and the confidence
-    after the re-answer."""
+    random model, so CDIR fires: the trace names the case the image index finds for the scan, shows its image and
+    caption, and the confidence after the re-answer (which the engine produced with the case's image beside the
+    request's)."""
     from transformers import AutoTokenizer
 
     from actors.image_index import LocalImageRetriever
@@ -167,4 +222,5 @@ def test_agent_mode_runs_cdir_on_the_request_image(vl_server, client, scan, vl_m
     expected = LocalImageRetriever(vl_server["image_index"]).search([str(scan)], 1)[0][0]
     assert cdir["case_id"] == expected["id"] and cdir["caption"] == expected["caption"]
     assert cdir["score"] == pytest.approx(expected["score"], abs=1e-4)
-    assert "confidence_after" in cdir and "Similar case" in trace["transcript"]
+    assert "confidence_after" in cdir and cdir["image_shown"]  # the case's image, then its caption
+    assert "<|vision_start|><|image_pad|><|vision_end|>Similar case" in trace["transcript"]
