@@ -34,7 +34,7 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from PIL import Image
 
-from actors.environment import Grammar, retrieval_text, rgb_array, turn_seed
+from actors.environment import Grammar, observation_tokens, retrieval_text, turn_seed
 from actors.cdir import THRESHOLD, answer_confidence, case_image, case_text, cdir_fires, token_pieces
 from actors.image_tokens import ImageTokens
 from serve.protocol import APIError, chunk, sse, usage, usage_chunk
@@ -165,7 +165,7 @@ async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Gra
             return AgentResult(None, "turn_limit", transcript, written, turns)
         step = await observe(grammar.action_text(segment), turns)
         turns.append(step.record)
-        observation_ids, kept, expanded = observation_tokens(step, grammar, tokenizer, vision)
+        observation_ids, kept, expanded = served_observation(step, grammar, tokenizer, vision)
         ids += observation_ids
         images += kept
         image_tokens += expanded
@@ -177,25 +177,18 @@ async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Gra
         segment = ""
 
 
-def observation_tokens(step: Step, grammar: Grammar, tokenizer, vision: ImageTokens | None) -> tuple[list[int], list,
+def served_observation(step: Step, grammar: Grammar, tokenizer, vision: ImageTokens | None) -> tuple[list[int], list,
                                                                                                       int]:
-    """The observation's ids in vLLM's form (one pad per image), the images they keep and the tokens those expand to
-    beyond their pads. As in training (`EpisodeRunner.observation_ids`): the images first inside the observation
-    tags, then the text, at most `max_observation_tokens` counted with every image expanded; an image that does not
-    fit is dropped whole."""
-    limit = grammar.max_observation_tokens
-    if not step.images:
-        return tokenizer.encode(grammar.wrap_observation(step.text), add_special_tokens=False)[:limit], [], 0
-    if vision is None:
+    """The observation as training inserts it (`actors.environment.observation_tokens`), in vLLM's form: ids with one
+    pad per image, the images kept (PIL) and the tokens those expand to beyond their pads."""
+    if step.images and vision is None:
         raise ValueError(f"the environment returned {len(step.images)} images, but the served model is text-only")
-    images = [rgb_array(image) for image in step.images]
-    grids = [vision.grid(image) for image in images]
-    text = grammar.wrap_observation(vision.placeholder * len(images) + step.text)
-    full = vision.expand(tokenizer.encode(text, add_special_tokens=False), grids)
-    full = full[:vision.cut(full, limit)]
-    kept = full.count(vision.start_id)
-    return vision.collapse(full), [Image.fromarray(image) for image in images[:kept]], \
-        sum(math.prod(g) // vision.merge ** 2 - 1 for g in grids[:kept])
+    ids, arrays, grids = observation_tokens(tokenizer, grammar, vision, step.text, step.images,
+                                            grammar.max_observation_tokens)
+    if not arrays:
+        return ids, [], 0
+    return vision.collapse(ids), [Image.fromarray(a) for a in arrays], \
+        sum(math.prod(g) // vision.merge ** 2 - 1 for g in grids)
 
 
 async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
@@ -209,7 +202,7 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     try:
         hit = (await asyncio.wait_for(cdir.search_images([cdir.image], 1), timeout_s))[0][0]
         case = Step(case_text(hit), {}, images=[case_image(hit)] if vision else [])
-        observation_ids, shown_images, expanded = observation_tokens(case, grammar, tokenizer, vision)
+        observation_ids, shown_images, expanded = served_observation(case, grammar, tokenizer, vision)
     except Exception as e:  # noqa: BLE001  no case to add: the first answer stands, and the trace says why
         return dataclasses.replace(first, cdir={"fired": True, "threshold": cdir.threshold,
                                                 "error": type(e).__name__})

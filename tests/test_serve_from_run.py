@@ -97,7 +97,7 @@ def test_agent_mode_follows_the_run_that_wrote_the_checkpoint(trained, bm25_inde
     assert agent.enabled and agent.index_dir == str(bm25_index.resolve())
     assert (agent.show, agent.link_options) == ("titles", True)
     assert agent.grammar.action_tag == "query" and agent.grammar.top_k == 4
-    assert agent.grammar.max_observation_tokens == 128  # the quickstart's
+    assert agent.grammar.max_observation_tokens == 224  # the quickstart's
     assert agent.retrieval["mode"] == "sparse"
     # explicit settings override the run's
     agent = resolved(checkpoint=str(trained), **{"agent.show": "passages", "agent.link_options": "false"}).agent
