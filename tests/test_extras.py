@@ -12,7 +12,7 @@ from pathlib import Path
 from tasks.extras import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "actors", "learners", "rewards", "serve", "tasks")
+PACKAGES = ("cluster", "actors", "learners", "recipes", "rewards", "serve", "tasks")
 #: Imported but brought by the engine build, not by medray: the torchvision vLLM installs (cluster/torchvision_shim.py).
 ENGINE_DEPENDENCIES = {"torchvision"}
 
