@@ -183,7 +183,7 @@ def test_stages_carry_weights_and_resume_mid_stage(ray_session, tiny_model_path,
     shutil.rmtree(resumed / "checkpoints" / "step_4")
     lines = (resumed / "metrics.jsonl").read_text().splitlines()[:3]
     (resumed / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    again = run(resumed, "total_steps=4", stages, "resume=true")
+    again = run(resumed, "total_steps=4", "recipe=med_rwr", stages, "resume=true")
     assert again[3]["stage_name"] == "rl"
     for key in ("reward_mean", "response_length", "loss", "grad_norm"):
         assert again[3][key] == pytest.approx(metrics[3][key], rel=1e-5, abs=1e-6), key
