@@ -1,5 +1,5 @@
-"""How long a multi-turn rollout's engine sits idle waiting on its environment (issue 4: < 10%; issue 6: the tool
-latency share of an episode).
+"""How long a multi-turn rollout's engine sits idle waiting on its environment (target < 10%), and the tool latency
+share of an episode.
 
     python benchmarks/bench_env_idle.py [--episodes 64]
 

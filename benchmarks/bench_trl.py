@@ -13,7 +13,7 @@ ends at EOS or the length limit. TRL runs in this process on CPU with `generate`
 actors (one vLLM rollout worker with 2 threads, 2 DeepSpeed learner ranks, one reward actor) on the same 2 cores.
 
 s/step is the mean over steps 2..N (step 1 warms up engines and caches), without medray's checkpoint write;
-samples/s = batch / (s/step). wall_s includes start-up. Targets (issue 9): never slower than TRL at tiny size,
+samples/s = batch / (s/step). wall_s includes start-up. Targets: never slower than TRL at tiny size,
 >= 2x samples/s at ~50M, reward curves at least as good. Writes benchmarks/results/trl_<size>.json and
 benchmarks/results/trl_reward_<size>.png.
 """
