@@ -3,7 +3,7 @@
     python benchmarks/bench_step.py [--steps 4] [--variants fp32 bf16] [key=value ...]
 
 The quickstart's GRPO stage alone (SmolLM2-135M-Instruct from its base weights, retrieval on, rewards as shipped) at
-8 prompts x 4 samples = 32 samples a step, once per variant:
+8 prompts x 4 samples = 32 samples a step (dynamic sampling off: one generation round), once per variant:
   fp32   learner forward and backward in float32 (learner.compute_dtype=float32)
   bf16   the learner's matmuls under bfloat16 autocast; weights, gradients and Adam stay float32. Pays where the CPU
          multiplies bfloat16 natively (AVX512-BF16 or AMX; cluster.devices.fast_bfloat16), or on a GPU.
@@ -43,7 +43,8 @@ def main() -> None:
             cfg = load_config("configs/quickstart.yaml", [
                 f"output_dir={out}", f"total_steps={args.steps}", "eval=null", "checkpoint.every=1000",
                 f"stages=[{{name: grpo, kind: grpo, steps: {args.steps}}}]", "rollout.prompts_per_step=8",
-                "rollout.group_size=4", f"rollout.fidelity_check_every={args.steps}", *VARIANTS[variant],
+                "rollout.group_size=4", "algorithm.dynamic_sampling=false", f"rollout.fidelity_check_every={args.steps}",
+                *VARIANTS[variant],
                 *args.overrides])
             load = os.getloadavg()[0]
             history = Trainer(cfg).fit()
