@@ -400,12 +400,12 @@ class Trainer:
         reward_states = [ray.get(self.rewarders[0].state_dict.remote())] if self.rewarders else []
         state = {"step": self.step, "version": self.version, "seed": self.cfg.seed, "stage": self.stage_index,
                  "reward_states": reward_states}
+        # with storage, the run's files follow in finish_step, once this step's metrics line is written
         if self.storage is None:
             ckpt.commit(self.ckpt_root, tmp, self.step, state, self.cfg.checkpoint.keep_last)
-            return time.perf_counter() - start
-        ckpt.commit_and_publish(self.storage, self.ckpt_root, tmp, self.step, state, self.cfg.checkpoint.keep_last,
-                                self.learners)
-        ckpt.publish_run_files(self.storage, self.out)
+        else:
+            ckpt.commit_and_publish(self.storage, self.ckpt_root, tmp, self.step, state,
+                                    self.cfg.checkpoint.keep_last, self.learners)
         return time.perf_counter() - start
 
     def shutdown(self) -> None:
