@@ -1,7 +1,8 @@
 """Proof that the recipes learn what the papers report, on this machine.
 
     python benchmarks/bench_learning.py --suite quickstart [--seeds 0 1] [key=value ...]
-    python benchmarks/bench_learning.py --suite retrieval [--sft-steps 60 --rl-steps 40 --eval-limit 200] [key=value ...]
+    python benchmarks/bench_learning.py --suite retrieval [--seeds 0 1] [key=value ...]
+    python benchmarks/bench_learning.py --suite retrieval --model tiny [--sft-steps 60 --rl-steps 40 --eval-limit 200]
     python benchmarks/bench_learning.py --suite armed [--sft-steps 60 --rl-steps 40]
 
 key=value overrides (e.g. a larger tiny model: model.tiny.hidden_size=256) apply to every arm, its demonstrations and
@@ -11,7 +12,10 @@ quickstart: configs/quickstart.yaml as shipped (SmolLM2-135M-Instruct: cold star
 with retrieval), once per seed; the held-out accuracy of the base model, after the cold start and after GRPO (the
 run's own evaluations, hpo:mcq_test), with the wall-clock of the whole run including start-up.
 retrieval: the HPO diagnosis task, evaluated on held-out diseases (hpo:mcq_test: no test disease occurs in training,
-so only retrieval can answer), tiny Qwen2. Two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
+so only retrieval can answer). On the real model (default), two quickstart runs per seed, each evaluated after its
+cold start and after its GRPO stage: as shipped (sft_only, grpo_retrieval) and with retrieval off, its cold start on
+think-then-answer demonstrations (sft_direct, grpo_no_retrieval); same steps, lr and rewards otherwise.
+On the tiny Qwen2 (--model tiny): two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
   sft_only            SFT on scripted-expert retrieval demonstrations (learners/expert.py), S steps
   sft_direct          SFT on think-then-answer demonstrations (no retrieval), S steps
   grpo_no_retrieval   sft_direct's weights + R GRPO steps, single turn (format + accuracy)
@@ -43,14 +47,19 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import report  # noqa: E402
 
 PYTHON = sys.executable
-RUNS = ROOT / "outputs" / "bench_learning"  # /<--name>/: one folder per setting
-TINY = "configs/tiny.yaml"  # the retrieval and armed suites' tiny random model
+RUNS = ROOT / "outputs" / "bench_learning"  # /<--name>/ (the tiny model's: /tiny/<--name>/): one folder per setting
+TINY = "configs/tiny.yaml"  # the tiny random model of `--model tiny`
+QUICKSTART = "configs/quickstart.yaml"  # the real model's suites start from it
 SINGLE_TURN = ["rollout.grammar.action_tag=null", "retrieval=null"]
 # A query lists a case's phenotypes (~40-60 tokens): room for it in one generation turn, for training and evaluation.
 LENGTHS = ["rollout.max_new_tokens=96", "rollout.grammar.max_response_tokens=320"]
 # Adam's first steps at full lr knock a fresh model off course: SFT loss 4.3 vs 1.9 after 40 steps without/with these
 # 10 warm-up steps (tiny Qwen2, retrieval demonstrations, lr 5e-3).
 WARMUP = ["learner.warmup_steps=10"]
+# Each model's config and what every run of a suite adds to it: (config, overrides, SFT batch, GRPO lr after a cold
+# start). The real model keeps the quickstart's lengths, warm-up and SFT batch.
+MODELS = {"tiny": (TINY, [*LENGTHS, *WARMUP], 32, 3e-4),
+          "real": (QUICKSTART, ["eval=null"], 16, 1e-5)}
 FORMAT_ACCURACY = "rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: accuracy, weight: 2.0}]"
 RWR = ("rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: accuracy, weight: 2.0}, "
        "{name: query_semantic_text, weight: 0.4}, {name: confidence_gain, weight: 1.0}]")
@@ -64,17 +73,19 @@ def demonstrations(runs: Path, kind: str, args, data: str = "hpo:mcq_train") -> 
     split = "" if data == "hpo:mcq_train" else f"{data.split(':')[-1]}_"
     out = runs / f"demos_{kind}_{split}{args.answer_with}.jsonl"
     if not out.exists():
-        cfg = load_config(ROOT / TINY, args.overrides + (SINGLE_TURN if kind == "direct" else []))
+        config, common, *_ = MODELS[args.model]
+        cfg = load_config(ROOT / config, common + args.overrides + (SINGLE_TURN if kind == "direct" else []))
         print(write_demonstrations(cfg, data, out, args.demo_limit, answer_with=args.answer_with))
     return out
 
 
-def train(out: Path, overrides: list[str]) -> tuple[Path, float, list[dict]]:
+def train(out: Path, overrides: list[str], model: str = "tiny") -> tuple[Path, float, list[dict]]:
     """Train (unless a finished run is there); its checkpoint, its training seconds (the logged steps', so a run
     reused later keeps its time) and its metrics."""
+    config, common, *_ = MODELS[model]
     if not (out / "checkpoints" / "latest").exists():
-        subprocess.run([PYTHON, "learners/run.py", "--config", TINY, f"output_dir={out}",
-                        "logging.progress_bar=false", "checkpoint.every=1000", *LENGTHS, *WARMUP, *overrides], cwd=ROOT,
+        subprocess.run([PYTHON, "learners/run.py", "--config", config, f"output_dir={out}",
+                        "logging.progress_bar=false", "checkpoint.every=1000", *common, *overrides], cwd=ROOT,
                        check=True)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return out / "checkpoints" / "latest", sum(m.get("step_s", 0.0) for m in metrics), metrics
@@ -89,49 +100,90 @@ def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
     return json.loads((out / "eval.json").read_text())
 
 
-def cold_start(steps: int, demos: Path) -> list[str]:
+def cold_start(steps: int, demos: Path, model: str = "tiny") -> list[str]:
     """Overrides for a run that is one SFT stage of `steps` steps on `demos`."""
-    return [f"total_steps={steps}",
-            "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: 32}}]" % (steps, demos)]
+    return [f"total_steps={steps}", "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: %d}}]"
+            % (steps, demos, MODELS[model][2])]
+
+
+def grpo_only(steps: int) -> list[str]:
+    """Overrides for a run that is one GRPO stage of `steps` steps."""
+    return [f"total_steps={steps}", "stages=[{name: grpo, kind: grpo, steps: %d}]" % steps]
+
+
+def runs_dir(args) -> Path:
+    return RUNS / args.name if args.model == "real" else RUNS / "tiny" / args.name
+
+
+def plot_setting(args) -> str:
+    """A plot's name suffix: the setting's name, prefixed real_ for the real model."""
+    return args.name if args.model == "tiny" else f"real_{args.name}"
+
+
+def quickstart_rows(out: Path, seed: int, overrides: list[str]) -> list[dict]:
+    """configs/quickstart.yaml for one seed (run unless its eval.json is there): one row per evaluation of the run
+    (base, after the cold start when eval.every asks, after GRPO), read from the run's own eval.json; the run's
+    wall-clock includes Ray and actor start-up."""
+    wall = None
+    if not (out / "eval.json").exists():
+        start = time.perf_counter()
+        subprocess.run([PYTHON, "learners/run.py", "--config", QUICKSTART, f"output_dir={out}", f"seed={seed}",
+                        "logging.progress_bar=false", *overrides], cwd=ROOT, check=True)
+        wall = time.perf_counter() - start
+    from learners.config import load_config
+    from learners.validation import weights_label
+    cfg = load_config(out / "config.yaml")
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    timing = {"train_minutes": round(sum(m.get("step_s", 0.0) for m in metrics) / 60, 1),
+              "eval_minutes": round(sum(m.get("eval_s", 0.0) for m in metrics) / 60, 1),
+              "wall_minutes": round(wall / 60, 1) if wall else None}
+    rows = []
+    for split, by_step in json.loads((out / "eval.json").read_text())["splits"].items():
+        for step, m in sorted(by_step.items(), key=lambda item: int(item[0])):
+            acc = m["accuracy"]
+            rows.append({"seed": seed, "split": split, "weights": weights_label(cfg, int(step)), "step": int(step),
+                         "accuracy": round(acc["mean"], 4), "ci95": f"[{acc['low']:.3f}, {acc['high']:.3f}]",
+                         "n": acc["n"], "format_rate": round(m["format_rate"]["mean"], 3),
+                         "retrievals_per_question": round(m["env_calls_per_sample"], 2),
+                         "gold_retrieved": round(m["gold_retrieved"]["mean"], 3) if "gold_retrieved" in m else None,
+                         # a policy right whenever its search finds the gold disease, guessing otherwise (4 options)
+                         "retrieval_bound": round(0.25 + 0.75 * m["gold_retrieved"]["mean"], 3)
+                         if "gold_retrieved" in m else None, **timing})
+    return rows
 
 
 def quickstart_suite(args) -> list[dict]:
-    """The shipped quickstart once per seed: one row per evaluation of the run (base, after the cold start, after
-    GRPO), read from the run's own eval.json; the run's wall-clock includes Ray and actor start-up."""
+    return [row for seed in args.seeds
+            for row in quickstart_rows(runs_dir(args) / f"quickstart_seed{seed}", seed, args.overrides)]
+
+
+def real_retrieval_suite(args) -> list[dict]:
+    """The retrieval arms on the real model: the quickstart as shipped, evaluated after its cold start too (sft_only,
+    grpo_retrieval), and the same run with retrieval off, cold start on direct demonstrations (sft_direct,
+    grpo_no_retrieval); one run each per seed. The retrieval run is the quickstart suite's run of that seed."""
+    from learners.config import load_config
+    cold_steps = load_config(ROOT / QUICKSTART).stage_plan()[0].steps
+    settings = (("", [], ("sft_only", "grpo_retrieval")),
+                ("_no_retrieval", SINGLE_TURN, ("sft_direct", "grpo_no_retrieval")))
     rows = []
     for seed in args.seeds:
-        out = RUNS / args.name / f"quickstart_seed{seed}"
-        wall = None
-        if not (out / "eval.json").exists():
-            start = time.perf_counter()
-            subprocess.run([PYTHON, "learners/run.py", "--config", "configs/quickstart.yaml", f"output_dir={out}",
-                            f"seed={seed}", "logging.progress_bar=false", *args.overrides], cwd=ROOT, check=True)
-            wall = time.perf_counter() - start
-        from learners.config import load_config
-        from learners.validation import weights_label
-        cfg = load_config(out / "config.yaml")
-        metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        timing = {"train_minutes": round(sum(m.get("step_s", 0.0) for m in metrics) / 60, 1),
-                  "eval_minutes": round(sum(m.get("eval_s", 0.0) for m in metrics) / 60, 1),
-                  "wall_minutes": round(wall / 60, 1) if wall else None}
-        for split, by_step in json.loads((out / "eval.json").read_text())["splits"].items():
-            for step, m in sorted(by_step.items(), key=lambda item: int(item[0])):
-                acc = m["accuracy"]
-                rows.append({"seed": seed, "split": split, "weights": weights_label(cfg, int(step)), "step": int(step),
-                             "accuracy": round(acc["mean"], 4), "ci95": f"[{acc['low']:.3f}, {acc['high']:.3f}]",
-                             "n": acc["n"], "format_rate": round(m["format_rate"]["mean"], 3),
-                             "retrievals_per_question": round(m["env_calls_per_sample"], 2),
-                             "gold_retrieved": round(m["gold_retrieved"]["mean"], 3) if "gold_retrieved" in m else None,
-                             **timing})
+        for suffix, extra, (after_sft, after_grpo) in settings:
+            out = runs_dir(args) / f"quickstart_seed{seed}{suffix}"
+            for row in quickstart_rows(out, seed, [f"eval.every={cold_steps}", *extra, *args.overrides]):
+                if row["step"] == 0 and suffix:  # the base model is measured once per seed
+                    continue
+                arm = "base" if row["step"] == 0 else after_sft if row["step"] == cold_steps else after_grpo
+                rows.append({"arm": arm, **row})
     return rows
 
 
 def retrieval_suite(args) -> list[dict]:
-    s, r, runs = args.sft_steps, args.rl_steps, RUNS / args.name
+    """The retrieval arms on the tiny random model (--model tiny), each its own run."""
+    s, r, runs = args.sft_steps, args.rl_steps, runs_dir(args)
     retrieval_demos, direct_demos = demonstrations(runs, "retrieval", args), demonstrations(runs, "direct", args)
     # GRPO continues from a cold start's checkpoint with a much lower lr: at the SFT lr (3e-3) 20 steps wiped out
     # what SFT taught (greedy outputs degenerated to repeated tokens).
-    rl = [f"total_steps={r}", f"learner.lr={args.rl_lr}"]
+    rl = [*grpo_only(r), f"learner.lr={args.rl_lr or MODELS['tiny'][3]}"]
     arms = {
         "sft_only": (cold_start(s, retrieval_demos), [], None),
         "sft_direct": ([*SINGLE_TURN, *cold_start(s, direct_demos)], SINGLE_TURN, None),
@@ -160,21 +212,21 @@ def retrieval_suite(args) -> list[dict]:
 
 
 def armed_suite(args) -> list[dict]:
-    runs, task = RUNS / args.name, ["data.train=hpo:open_train", *SINGLE_TURN]
-    base = [*task, f"total_steps={args.rl_steps}", "rollout.stop=[</answer>]", "rollout.max_new_tokens=32",
-            "rollout.temperature=0.7"]
+    runs, task = runs_dir(args), ["data.train=hpo:open_train", *SINGLE_TURN]
+    base = [*task, *grpo_only(args.rl_steps), "rollout.stop=[</answer>]",
+            "rollout.max_new_tokens=32", "rollout.temperature=0.7", "algorithm.dynamic_sampling=false"]
     if args.sft_steps:  # ARMed starts RL from a model that already answers: both arms from one SFT cold start
         demos = demonstrations(runs, "direct", args, data="hpo:open_train")
         cold, *_ = train(runs / "armed_cold_start", [f"seed={args.seed}", *args.overrides, *task,
-                                                      *cold_start(args.sft_steps, demos)])
-        base += [f"model.path={cold.resolve()}", f"learner.lr={args.rl_lr}"]
+                                                      *cold_start(args.sft_steps, demos, args.model)], args.model)
+        base += [f"model.path={cold.resolve()}", f"learner.lr={args.rl_lr or MODELS[args.model][3]}"]
     rows, curves = [], {}
     for adaptive in (True, False):
         name = f"armed_{'adaptive' if adaptive else 'static'}"
         rewards = ("rewards.components=[{name: armed_textual, weight: 0.4}, {name: armed_semantic, weight: 0.4, "
                    "args: {adaptive: %s}}, {name: tag_format, weight: 0.2, args: {tags: [answer]}}]"
                    % str(adaptive).lower())
-        _, seconds, metrics = train(runs / name, [f"seed={args.seed}", *args.overrides, *base, rewards])
+        _, seconds, metrics = train(runs / name, [f"seed={args.seed}", *args.overrides, *base, rewards], args.model)
         nci = [m.get("nci/armed_semantic", 0.0) for m in metrics]
         curves[name] = nci
         tail = nci[len(nci) // 2:]
@@ -182,7 +234,7 @@ def armed_suite(args) -> list[dict]:
                      "nci_semantic_second_half": round(sum(tail) / len(tail), 3),
                      "nci_semantic_min": round(min(nci), 3), "reward_last5": round(
                          sum(m["reward_mean"] for m in metrics[-5:]) / 5, 3), "train_minutes": round(seconds / 60, 1)})
-    plot(rows, "armed", curves, setting=None if args.name == "default" else args.name)
+    plot(rows, "armed", curves, setting=None if (args.model, args.name) == ("tiny", "default") else plot_setting(args))
     return rows
 
 
@@ -199,7 +251,8 @@ def plot(rows: list[dict], suite: str, curves: dict | None = None, setting: str 
         ax.set_xlabel("step"), ax.set_ylabel("NCI of the semantic reward"), ax.axhline(0.25, ls=":", c="gray")
         ax.axhline(0.1, ls="--", c="gray"), ax.legend()
     else:
-        ax.bar([r["arm"] for r in rows], [r["test_accuracy"] for r in rows])
+        ax.bar([r["arm"] + (f" s{r['seed']}" if "seed" in r else "") for r in rows],
+               [r.get("test_accuracy", r.get("accuracy")) for r in rows])
         ax.axhline(0.25, ls=":", c="gray", label="chance (4 options)")
         ax.set_ylabel("accuracy on held-out diseases"), ax.legend()
         plt.setp(ax.get_xticklabels(), rotation=15)
@@ -213,10 +266,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["quickstart", "retrieval", "armed"], required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="quickstart: one run per seed")
-    parser.add_argument("--arms", nargs="*", help="retrieval: a subset of the arms")
-    parser.add_argument("--sft-steps", type=int, default=60, help="cold-start SFT steps (armed: 0 = RL from random weights)")
+    parser.add_argument("--model", choices=["real", "tiny"], default="real",
+                        help="SmolLM2-135M-Instruct (configs/quickstart.yaml) or the tiny random model")
+    parser.add_argument("--arms", nargs="*", help="retrieval --model tiny: a subset of the arms")
+    parser.add_argument("--sft-steps", type=int, default=60,
+                        help="cold-start SFT steps (armed: 0 = RL from random weights)")
     parser.add_argument("--rl-steps", type=int, default=40)
-    parser.add_argument("--rl-lr", type=float, default=3e-4, help="the GRPO arms' learning rate (armed: after a cold start)")
+    parser.add_argument("--rl-lr", type=float, default=None,
+                        help="the GRPO arms' learning rate after a cold start (default: 3e-4 tiny, 1e-5 real)")
     parser.add_argument("--eval-limit", type=int, default=200)
     parser.add_argument("--demo-limit", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
@@ -225,16 +282,19 @@ def main() -> None:
     parser.add_argument("--name", default="default", help="runs go to outputs/bench_learning/<name>/")
     parser.add_argument("overrides", nargs="*", help="key=value for every arm (e.g. model.tiny.hidden_size=256)")
     args = parser.parse_args()
-    rows = {"quickstart": quickstart_suite, "retrieval": retrieval_suite, "armed": armed_suite}[args.suite](args)
-    rows = [{**r, "setting": args.name, "command": " ".join(sys.argv[1:])} for r in rows]
+    retrieval = real_retrieval_suite if args.model == "real" else retrieval_suite
+    rows = {"quickstart": quickstart_suite, "retrieval": retrieval, "armed": armed_suite}[args.suite](args)
+    rows = [{**r, "setting": args.name, "model": args.model, "command": " ".join(sys.argv[1:])} for r in rows]
     previous = ROOT / "benchmarks" / "results" / f"learning_{args.suite}.json"
     if previous.exists():  # arms run earlier (e.g. one at a time) keep their rows unless run again
-        done = {(r["setting"], r.get("arm"), r.get("seed")) for r in rows}
-        rows = [r for r in json.loads(previous.read_text())["rows"]
-                if (r.get("setting", "default"), r.get("arm"), r.get("seed")) not in done] + rows
+        def key(r: dict) -> tuple:  # rows written before settings and models were recorded: default, tiny
+            return r.get("setting") or "default", r.get("model", "tiny"), r.get("arm"), r.get("seed")
+        done = {key(r) for r in rows}
+        rows = [r for r in json.loads(previous.read_text())["rows"] if key(r) not in done] + rows
     report(f"learning_{args.suite}", rows)
     if args.suite == "retrieval":
-        plot([r for r in rows if r.get("setting", "default") == args.name], "retrieval", setting=args.name)
+        plot([r for r in rows if (r.get("setting") or "default", r.get("model", "tiny")) == (args.name, args.model)],
+             "retrieval", setting=plot_setting(args))
 
 
 if __name__ == "__main__":

@@ -2,15 +2,19 @@
 
     python benchmarks/bench_trl.py --size tiny --steps 20
     python benchmarks/bench_trl.py --size 50m --steps 4
+    python benchmarks/bench_trl.py --size smollm2 --steps 10
 
-Both systems train the same random-initialised model (tasks/tiny_models.py) on the same HPO multiple-choice
-prompts, in the same order (shuffling off; prompt i of step s is task s * prompts + i of a fixed seeded subset), with
-the same reward (rewards.builtin tag_format on <answer> + 0.5 x valid_option, the very Python functions), group size,
-batch, completion length, temperature, lr, AdamW, grad clip 1.0, constant schedule and no KL (beta 0). Loss: DAPO
+Both systems train the same model (tiny/50m: random-initialised, tasks/tiny_models.py; smollm2: the pretrained
+SmolLM2-135M-Instruct of `model.path: smollm2-135m-instruct`) on the same HPO multiple-choice prompts, in the same
+order (shuffling off; prompt i of step s is task s * prompts + i of a fixed seeded subset), with the same reward
+(rewards.builtin tag_format on <answer> + 0.5 x valid_option, the very Python functions), group size, batch,
+completion length, temperature, lr, AdamW, grad clip 1.0, constant schedule and no KL (beta 0). Loss: DAPO
 token-mean aggregation (medray `loss_agg: token_mean`, TRL `loss_type: "dapo"`), clip eps 0.2 / 0.28 on both, group
-advantages normalised by the group std (TRL `scale_rewards: "group"`). No stop strings on either side: a completion
-ends at EOS or the length limit. TRL runs in this process on CPU with `generate` (no vLLM); medray runs its Ray
-actors (one vLLM rollout worker with 2 threads, 2 DeepSpeed learner ranks, one reward actor) on the same 2 cores.
+advantages normalised by the group std (TRL `scale_rewards: "group"`). At smollm2 size both train under bfloat16
+autocast (TRL `bf16=True`, medray `learner.compute_dtype: bfloat16`) where the CPU multiplies it natively. No stop
+strings on either side: a completion ends at EOS or the length limit. TRL runs in this process on CPU with
+`generate` (no vLLM); medray runs its Ray actors (one vLLM rollout worker with 2 threads, 2 DeepSpeed learner ranks,
+one reward actor) on the same 2 cores.
 
 s/step is the mean over steps 2..N (step 1 warms up engines and caches), without medray's checkpoint write;
 samples/s = batch / (s/step). wall_s includes start-up. Targets: never slower than TRL at tiny size,
@@ -31,22 +35,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# Workload per size. tiny: ~0.35M-parameter Qwen2 (hidden 96, 2 layers); 50m: benchmarks.common.MODEL_50M.
+# Workload per size. tiny: ~0.35M-parameter Qwen2 (hidden 96, 2 layers); 50m: benchmarks.common.MODEL_50M;
+# smollm2: the real model alias.
 SIZES = {
     "tiny": {"model": {"hidden_size": 96, "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3,
                        "num_key_value_heads": 1},
              "prompts": 16, "group": 4, "new_tokens": 32, "lr": 5e-3, "micro_batch": 32},
     "50m": {"model": "MODEL_50M", "prompts": 8, "group": 4, "new_tokens": 256, "lr": 1e-4, "micro_batch": 8},
+    "smollm2": {"alias": "smollm2-135m-instruct", "prompts": 8, "group": 4, "new_tokens": 128, "lr": 1e-6,
+                "micro_batch": 4},
 }
 REWARD_WEIGHTS = {"tag_format": 1.0, "valid_option": 0.5}
 MAX_PROMPT_TOKENS = 384
 
 
-def tiny_config(size: str):
+def model_dir(size: str) -> str:
+    """The size's model directory: the real model's alias resolved (built once), or the random model built once."""
     from benchmarks import common
-    from tasks.tiny_models import TinyModelConfig
+    from tasks.model_aliases import resolve_model
+    from tasks.tiny_models import TinyModelConfig, ensure_tiny_model
+    if "alias" in SIZES[size]:
+        return resolve_model(SIZES[size]["alias"])
     spec = SIZES[size]["model"]
-    return getattr(common, spec) if isinstance(spec, str) else TinyModelConfig(**spec)
+    return str(ensure_tiny_model(getattr(common, spec) if isinstance(spec, str) else TinyModelConfig(**spec)))
+
+
+def bfloat16(size: str) -> bool:
+    """Whether both systems train the size under bfloat16 autocast: the real model, on hardware made for it."""
+    from cluster.devices import accelerator, fast_bfloat16
+    return "alias" in SIZES[size] and fast_bfloat16(accelerator())
 
 
 def workload_tasks(model_path: str, n: int, seed: int = 0) -> list[dict]:
@@ -105,7 +122,7 @@ def run_trl(model_path: str, tasks: list[dict], size: str, steps: int, threads: 
         learning_rate=spec["lr"], lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, optim="adamw_torch",
         beta=0.0, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, scale_rewards="group", num_iterations=1,
-        shuffle_dataset=False, use_cpu=True, bf16=False, gradient_checkpointing=False, logging_steps=1,
+        shuffle_dataset=False, use_cpu=True, bf16=bfloat16(size), gradient_checkpointing=False, logging_steps=1,
         save_strategy="no", report_to=[], disable_tqdm=True, seed=0, dataloader_num_workers=0)
     timer = StepTimer()
     start = time.perf_counter()
@@ -137,7 +154,7 @@ def run_medray(model_path: str, size: str, steps: int, mode: str, threads: int, 
         "algorithm": {"eps_low": 0.2, "eps_high": 0.28, "loss_agg": "token_mean", "normalize_std": True,
                       "kl_beta": 0.0},
         "learner": {"zero_stage": 2, "lr": spec["lr"], "micro_batch_size": spec["micro_batch"], "max_grad_norm": 1.0,
-                    "lr_schedule": "constant"},
+                    "lr_schedule": "constant", "compute_dtype": "bfloat16" if bfloat16(size) else "float32"},
         "rewards": {"components": [{"name": "tag_format", "weight": REWARD_WEIGHTS["tag_format"],
                                     "args": {"tags": ["answer"]}},
                                    {"name": "valid_option", "weight": REWARD_WEIGHTS["valid_option"]}]},
@@ -192,11 +209,10 @@ def main() -> None:
     import ray
 
     from benchmarks.common import report
-    from tasks.tiny_models import ensure_tiny_model
 
     spec, systems = SIZES[args.size], args.systems.split(",")
     batch = spec["prompts"] * spec["group"]
-    model_path = str(ensure_tiny_model(tiny_config(args.size)))
+    model_path = model_dir(args.size)
     tasks = workload_tasks(model_path, spec["prompts"] * args.steps)
     rows, curves = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -216,7 +232,7 @@ def main() -> None:
     params = _params(model_path)
     for row in rows:
         row.update(size=args.size, params_M=round(params / 1e6, 3), batch=f"{spec['prompts']}x{spec['group']}",
-                   new_tokens=spec["new_tokens"])
+                   new_tokens=spec["new_tokens"], bfloat16=bfloat16(args.size))
     if "trl" in curves:
         trl = next(r for r in rows if r["system"] == "trl")
         for row in rows:

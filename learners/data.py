@@ -1,11 +1,14 @@
 """Prompts for training: task records from JSONL, and a deterministic, resumable order over them."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 
 from tasks.catalog import load_tasks, resolve_tasks_path  # noqa: F401  (the trainer's data API)
+
+log = logging.getLogger("medray.data")
 
 
 class PromptSampler:
@@ -30,6 +33,18 @@ class PromptSampler:
             epoch, offset = divmod(position, self.n)
             indices.append(int(self._epoch_order(epoch)[offset]))
         return indices
+
+
+def prompts_that_fit(data, tokenizer) -> list[dict]:
+    """data.train's tasks whose chat prompt is at most data.max_prompt_tokens tokens (the others dropped, counted in
+    a warning)."""
+    tasks = load_tasks(data.train)
+    kept = [t for t in tasks if len(tokenizer.apply_chat_template(
+        t["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)) <= data.max_prompt_tokens]
+    if len(kept) < len(tasks):
+        log.warning("dropped %d of %d tasks longer than data.max_prompt_tokens=%d", len(tasks) - len(kept),
+                    len(tasks), data.max_prompt_tokens)
+    return kept
 
 
 def read_demonstrations(path: str | Path) -> list[dict]:

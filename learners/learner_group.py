@@ -111,8 +111,11 @@ class LearnerWorker:
                                                     alg["loss_norm_length"])
                 per_rank = len(mini) // self.world_size
                 lo = self.rank * per_rank
-                shard = mini[lo:lo + per_rank]
-                shard_adv = all_adv[part][lo:lo + per_rank] if all_adv is not None else None
+                # micro-batches of similar lengths pad less; the loss is a sum over them, so order does not matter
+                order = sorted(range(lo, lo + per_rank),
+                               key=lambda i: len(mini[i].prompt_ids) + len(mini[i].response_ids))
+                shard = [mini[i] for i in order]
+                shard_adv = all_adv[part][order] if all_adv is not None else None
                 self._set_accumulation(math.ceil(len(shard) / micro))
                 for m in range(self.micro_batches):
                     batch = pad_batch(shard[m * micro:(m + 1) * micro], self.pad_id, self.vision)
@@ -358,6 +361,16 @@ class LearnerGroup:
 
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         return self._all([r.sequence_logprobs.remote(sequences, images) for r in self.ranks], "a logprob check")[0]
+
+    def fidelity(self, workers: list, trajectories: ray.ObjectRef, n: int = 4) -> float:
+        """Max |engine logprob - learner logprob| over the first `n` of a share of trajectories, on every rollout
+        worker, under the weights just synced."""
+        sample = ray.get(trajectories)[:n]
+        seqs, images = [t.prompt_ids + t.response_ids for t in sample], [t.images for t in sample]
+        learner = self.sequence_logprobs(seqs, images)
+        return max(abs(e - l) for w in workers
+                   for engine, ours in zip(ray.get(w.prompt_logprobs.remote(seqs, images)), learner)
+                   for e, l in zip(engine, ours, strict=True))
 
     def save(self, checkpoint_dir) -> None:
         self._all([r.save.remote(str(checkpoint_dir)) for r in self.ranks], "checkpoint save")

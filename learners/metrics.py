@@ -10,6 +10,7 @@ import json
 import math
 import re
 import secrets
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from rewards.registry import is_diagnostic
 from tasks.extras import require
 
 #: The trackers' group of each flat name of metrics.jsonl. Names that hold a '/' are grouped already
-#: (reward/<component>, eval/<split>/<metric>, nci/*, actor_restarts/*, metric/*, and a recipe's <recipe>/*).
+#: (reward/<component>, eval/<split>/<metric>, nci/*, actor_restarts/*, startup/*, metric/*, and a recipe's
+#: <recipe>/*).
 GROUPS = {
     "actor": ("loss", "sft_loss", "sft_tokens", "kl", "entropy", "clip_fraction", "grad_norm", "lr",
               "optimizer_steps", "fidelity_max_abs_diff"),
@@ -48,6 +50,27 @@ def grouped_name(key: str) -> str:
 
 BAR_KEYS = [("sft_loss", "loss"), ("reward_mean", "reward"), ("accuracy", "acc"), ("response_length", "len"), ("kl", "kl"),
             ("generate_s", "gen_s"), ("train_s", "train_s"), ("version_lag", "lag")]
+
+
+class Laps:
+    """A stopwatch of named phases: `lap(name)` records the seconds since the previous lap (or since creation) as
+    `startup/<name>_s`, the keys a run's first step reports its start-up under."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[f"startup/{name}_s"] = now - self._last
+        self._last = now
+
+    def total(self) -> dict[str, float]:
+        return {**self.seconds, "startup/total_s": sum(self.seconds.values())}
+
+    def __str__(self) -> str:
+        return f"{sum(self.seconds.values()):.1f} s: " + ", ".join(
+            f"{k.removeprefix('startup/').removesuffix('_s')} {v:.1f}" for k, v in self.seconds.items())
 
 
 def _step(line: str) -> float:

@@ -27,10 +27,10 @@ from learners import checkpoint as ckpt
 from tasks.storage import run_storage
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
-from learners.data import PromptSampler, demonstration_trajectory, load_tasks, read_demonstrations
+from learners.data import PromptSampler, demonstration_trajectory, prompts_that_fit, read_demonstrations
 from learners.dynamic_sampling import count_informative, fill_batch
 from learners.learner_group import LearnerGroup
-from learners.metrics import MetricsLogger, step_metrics
+from learners.metrics import Laps, MetricsLogger, step_metrics
 from tasks.tiny_models import policy_dir
 from learners.validation import Validator, closing_report, plot_curves
 from recipes import load_recipe
@@ -59,10 +59,11 @@ class Trainer:
 
     # ---- set-up -------------------------------------------------------------------------------------------
     def setup(self) -> None:
-        cfg = self.cfg
+        cfg, laps = self.cfg, Laps()
         if not cfg.resume:
             ckpt.refuse_existing_run(self.out, self.storage)
         start_or_join(cfg.cluster)
+        laps.lap("ray")
         self.recipe = load_recipe(cfg.recipe)
         self.step, resume_from = 0, None
         resume_source = None  # the checkpoint's URI when it comes from storage
@@ -83,26 +84,34 @@ class Trainer:
         # written once the run is known to fit, so a refused resume leaves the previous run's config as it was
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
+        laps.lap("placement")
         self.environment = start_environment(cfg, self.placement)
         self.judge = start_judge(cfg, self.placement)
+        laps.lap("services")
         self.workers = self._start_rollout_workers(policy_path)
         self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from, resume_source)
+        laps.lap("learners")
         self.learners.connect(self.workers)
         self.stage_index, self.rewarders = None, []
         self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
         self.service_pids: dict = {}
+        laps.lap("connect")
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
+        laps.lap("stage")
         if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
             # stateful rewards (adaptive thresholds) continue where they were, in their owner
             states = ckpt.read_state(resume_from).get("reward_states", [])
             if states:
                 ray.get(self.rewarders[0].load_state_dict.remote(states[0]))
         ray.get([w.ready.remote() for w in self.workers])
+        laps.lap("rollout_workers")
         count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
         self.version = self.step  # the learner's weight version: one per optimizer step taken
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
         self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
         self.report = None  # the closing evaluation table, once the run has one
+        self.startup = laps.total()  # reported with the first step
+        log.info("start-up %s", laps)
 
     # ---- stages -------------------------------------------------------------------------------------------
     def stage_at(self, step: int) -> tuple[int, int]:
@@ -132,7 +141,7 @@ class Trainer:
             self.sampler = PromptSampler(len(demos), sft.batch_size, cfg.seed, sft.shuffle)
             return
         if previous is None or previous.data != cfg.data or not hasattr(self, "tasks"):
-            self.tasks = self._load_tasks(cfg)
+            self.tasks = prompts_that_fit(cfg.data, self.tokenizer)
         self.sampler = PromptSampler(len(self.tasks), cfg.rollout.prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.rollout_hooks = self.recipe.rollout_hooks(cfg)
         if previous is None or previous.rewards != cfg.rewards or not self.rewarders:
@@ -157,20 +166,11 @@ class Trainer:
             log.info("stage %s: %d expert demonstrations from %d tasks (%d without the gold document in view)",
                      self.stage.name, made["demonstrations"], made["tasks"], made["skipped_not_retrieved"])
         elif not path.exists():
-            self.recipe.write_demonstrations(self.stage.sft.data, workers=self.workers, tasks=self._load_tasks(cfg),
+            self.recipe.write_demonstrations(self.stage.sft.data, workers=self.workers,
+                                             tasks=prompts_that_fit(cfg.data, self.tokenizer),
                                              tokenizer=self.tokenizer, cfg=cfg, sft=self.stage.sft,
                                              seed=derive_seed(cfg.seed, "inject", self.step), path=path)
         return read_demonstrations(path)
-
-    def _load_tasks(self, cfg: RunConfig) -> list[dict]:
-        tasks = load_tasks(cfg.data.train)
-        limit = cfg.data.max_prompt_tokens
-        kept = [t for t in tasks if len(self.tokenizer.apply_chat_template(
-            t["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)) <= limit]
-        if len(kept) < len(tasks):
-            log.warning("dropped %d of %d tasks longer than data.max_prompt_tokens=%d", len(tasks) - len(kept),
-                        len(tasks), limit)
-        return kept
 
     def _start_rollout_workers(self, model_path: str) -> list:
         cfg, res = self.cfg, self.cfg.cluster.rollout
@@ -253,15 +253,6 @@ class Trainer:
                 self.restarts["reward"] += 1
                 self.reward_pids[actor] = s["pid"]
         return ray.get(self.rewarders[0].calibrate.remote(scores)) if self.stateful_rewards else scores
-
-    def check_fidelity(self, rollouts: StepRollouts, n: int = 4) -> float:
-        """Max |engine logprob - learner logprob| over a few of the step's sequences, under the synced weights."""
-        sample = ray.get(rollouts.trajectories[0])[:n]
-        seqs, images = [t.prompt_ids + t.response_ids for t in sample], [t.images for t in sample]
-        learner = self.learners.sequence_logprobs(seqs, images)
-        diffs = [np.max(np.abs(np.array(e) - np.array(l))) for w in self.workers
-                 for e, l in zip(ray.get(w.prompt_logprobs.remote(seqs, images)), learner)]
-        return float(max(diffs))
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -351,7 +342,7 @@ class Trainer:
         record = {f"actor_restarts/{role}": n for role, n in self.restarts.items()}
         record.update(self.recipe.step_stats(services))
         if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
-            record["fidelity_max_abs_diff"] = self.check_fidelity(rollouts)
+            record["fidelity_max_abs_diff"] = self.learners.fidelity(self.workers, rollouts.trajectories[0])
             if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():
                 raise RuntimeError(f"rollout and learner log-probabilities differ by "
                                    f"{record['fidelity_max_abs_diff']:.2e} after the sync of step {self.step} "
@@ -375,7 +366,8 @@ class Trainer:
 
     def finish_step(self, record: dict, step_start: float, bar) -> dict:
         """Stage columns, checkpoint when due, timing; then the record goes to every metrics sink."""
-        record.update(stage=self.stage_index, stage_name=self.stage.name)
+        record.update(stage=self.stage_index, stage_name=self.stage.name, **self.startup)
+        self.startup = {}
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.total_steps \
                 or self.step == self.stage_at(self.step - 1)[1]:
             record["checkpoint_s"] = self.save_checkpoint()
