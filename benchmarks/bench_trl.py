@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -221,7 +223,9 @@ def main() -> None:
         for system in systems:
             out = str(Path(tmp) / system)
             if system == "trl":
-                result = run_trl(model_path, tasks, args.size, args.steps, args.threads, out)
+                # in a process of its own, so its model and optimizer are freed before medray's actors start
+                with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+                    result = pool.submit(run_trl, model_path, tasks, args.size, args.steps, args.threads, out).result()
             else:
                 result = run_medray(model_path, args.size, args.steps, system.removeprefix("medray_"), args.threads,
                                     tasks_file, out)
