@@ -3,7 +3,7 @@
     python benchmarks/bench_learning.py --suite quickstart [--seeds 0 1] [key=value ...]
     python benchmarks/bench_learning.py --suite retrieval [--seeds 0 1] [key=value ...]
     python benchmarks/bench_learning.py --suite retrieval --model tiny [--sft-steps 60 --rl-steps 40 --eval-limit 200]
-    python benchmarks/bench_learning.py --suite armed [--sft-steps 60 --rl-steps 40]
+    python benchmarks/bench_learning.py --suite armed [--model tiny] [--sft-steps 10 --rl-steps 16]
 
 key=value overrides (e.g. a larger tiny model: model.tiny.hidden_size=256) apply to every arm, its demonstrations and
 its evaluation; --name keeps each setting's runs apart (outputs/bench_learning/<name>/).
@@ -28,7 +28,8 @@ must learn is a query that retrieves the right disease; and that with a tiny mod
 (`model.tiny.copy_pretrain_steps=5000`), the only setting where retrieval won.
 armed: ARMed's adaptive vs static semantic reward on the open-ended HPO task (text): the NCI of the semantic
 component over R GRPO steps (goal: adaptive stays >= 0.25 where static falls below 0.1), both from one SFT cold start
-of S steps on direct demonstrations (ARMed trains a model that already answers; --sft-steps 0: from random weights).
+of S steps on direct demonstrations (ARMed trains a model that already answers; --sft-steps 0: from the model's own
+weights), on the real model with the quickstart's settings (GRPO at 1e-5) or on the tiny Qwen2 (--model tiny).
 Writes benchmarks/results/learning_<suite>.json and a plot (learning_retrieval_<name>.png: the setting's arms;
 learning_armed[_<name>].png), and prints a table.
 """
