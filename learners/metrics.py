@@ -53,8 +53,8 @@ BAR_KEYS = [("sft_loss", "loss"), ("reward_mean", "reward"), ("accuracy", "acc")
 
 
 class Laps:
-    """A stopwatch of named phases: `lap(name)` records the seconds since the previous lap (or since creation) as
-    `startup/<name>_s`, the keys a run's first step reports its start-up under."""
+    """A stopwatch of named phases: `lap(name)` records the seconds since the previous lap (or since creation);
+    `total()` gives them as `startup/<name>_s` plus `startup/total_s`, the keys a run's first step reports."""
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
@@ -62,15 +62,14 @@ class Laps:
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
-        self.seconds[f"startup/{name}_s"] = now - self._last
+        self.seconds[name] = now - self._last
         self._last = now
 
     def total(self) -> dict[str, float]:
-        return {**self.seconds, "startup/total_s": sum(self.seconds.values())}
+        return {**{f"startup/{k}_s": v for k, v in self.seconds.items()}, "startup/total_s": sum(self.seconds.values())}
 
     def __str__(self) -> str:
-        return f"{sum(self.seconds.values()):.1f} s: " + ", ".join(
-            f"{k.removeprefix('startup/').removesuffix('_s')} {v:.1f}" for k, v in self.seconds.items())
+        return f"{sum(self.seconds.values()):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
 
 
 def _step(line: str) -> float:
