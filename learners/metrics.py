@@ -22,7 +22,7 @@ from rewards.registry import is_diagnostic
 from tasks.extras import require
 
 #: The trackers' group of each flat name of metrics.jsonl. Names that hold a '/' are grouped already
-#: (reward/<component>, eval/<split>/<metric>, nci/*, actor_restarts/*, startup/*, metric/*, and a recipe's
+#: (reward/<component>, eval/<split>/<metric>, nci/*, spread/*, actor_restarts/*, startup/*, metric/*, and a recipe's
 #: <recipe>/*).
 GROUPS = {
     "actor": ("loss", "sft_loss", "sft_tokens", "kl", "entropy", "clip_fraction", "grad_norm", "lr",
@@ -181,10 +181,11 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
             components.setdefault(k, []).extend(v)
         for k, v in s["errors"].items():
             errors[k] = errors.get(k, 0) + v
-    nci: dict[str, list[float]] = {}
+    per_group: dict[str, list[float]] = {}  # nci/<component> and spread/<component>, one value per reward shard
     for s in scores:
-        for k, v in s.get("nci", {}).items():
-            nci.setdefault(k, []).append(v)
+        for kind in ("nci", "spread"):
+            for k, v in s.get(kind, {}).items():
+                per_group.setdefault(f"{kind}/{k}", []).append(v)
     lengths = [n for s in summaries for n in s["lengths"]]
     batch_versions = [s["version"] for s in summaries]
     tokens = sum(lengths)
@@ -195,7 +196,7 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
         **{f"reward/{k}": float(np.mean(v)) for k, v in components.items() if not is_diagnostic(k)},
         **{k: float(np.nanmean(v)) for k, v in components.items() if is_diagnostic(k) and not np.isnan(v).all()},
         **{f"reward_errors/{k}": v for k, v in errors.items()},
-        **{f"nci/{k}": float(np.mean(v)) for k, v in nci.items()},
+        **{k: float(np.mean(v)) for k, v in per_group.items()},
         "response_length": float(np.mean(lengths)),
         "truncated_fraction": float(np.mean([r == "length" for s in summaries for r in s["finish_reasons"]])),
         "env_calls": sum(s["env_calls"] for s in summaries), "env_errors": sum(s["env_errors"] for s in summaries),

@@ -29,3 +29,12 @@ def group_nci(components: dict[str, list[float]], weights: dict[str, float], gro
         if any(scores.values()):
             per_group.append(scores)
     return {k: float(np.mean([s[k] for s in per_group])) if per_group else 0.0 for k in components}
+
+
+def group_spread(components: dict[str, list[float]], groups: list[int]) -> dict[str, float]:
+    """Each component's standard deviation within a prompt's group (population), averaged over the groups: what is
+    left of it for GRPO to rank samples by. 0 when every group's samples score alike on it, as a saturated similarity
+    reward does (ARMed sec. 3.3)."""
+    rows = [[i for i, x in enumerate(groups) if x == g] for g in dict.fromkeys(groups)]
+    return {k: float(np.mean([np.std([v[i] for i in r]) for r in rows])) if rows else 0.0
+            for k, v in components.items()}

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 import ray
 
 from actors.trajectory import Trajectory
-from rewards.nci import group_nci
+from rewards.nci import group_nci, group_spread
 from rewards.registry import is_diagnostic, is_stateful, make_reward
 
 log = logging.getLogger("medray.rewards")
@@ -67,13 +67,14 @@ class RewardActor:
                 "seconds": time.perf_counter() - start, "pid": os.getpid()}
 
     def summarize(self, by_spec: list[dict[str, list[float]]], groups: list[int]) -> dict:
-        """The total reward per sample, the components by name and their NCI per group."""
+        """The total reward per sample, the components by name, their NCI per group and their spread within groups."""
         components = {k: v for comps in by_spec for k, v in comps.items()}
         weights = [s.get("weight", 1.0) for s in self.specs]
         rewarding = {k: v for k, v in components.items() if not is_diagnostic(k)}
         nci = group_nci(rewarding, {k: w for comps, w in zip(by_spec, weights) for k in comps if k in rewarding},
                         groups)
-        return {"total": combine(by_spec, weights, len(groups)), "components": components, "nci": nci}
+        return {"total": combine(by_spec, weights, len(groups)), "components": components, "nci": nci,
+                "spread": group_spread(rewarding, groups)}
 
     def stateful(self) -> bool:
         """Whether some reward needs `calibrate` on the whole batch each step."""

@@ -15,7 +15,7 @@ from actors.trajectory import Trajectory
 from rewards.adaptive import Adapt, ArmedSemantic, calibrate, next_threshold
 from rewards.formats import (is_repetitive, med_r3_format, med_rwr_format, med_rwr_format_score, medvista_accuracy,
                              medvista_format, medvista_format_ok)
-from rewards.nci import group_nci, nci
+from rewards.nci import group_nci, group_spread, nci
 from rewards.registry import make_reward
 from actors.encoders import minilm_path
 from rewards.semantic import BertScoreF1, load_bertscore, load_encoder, medvr_open_score
@@ -175,7 +175,7 @@ def test_armed_semantic_static_and_adaptive(encoder, bertscore):
 
 
 # ---- NCI ----------------------------------------------------------------------------------------------------------
-def test_nci_by_hand_sums_to_one_and_handles_zero_variance():
+def test_nci_by_hand_sums_to_one_and_handles_zero_variance_and_spread_within_groups():
     # R1 = [0, 1], R2 = [0, 0.5], g = 1: r = [0, 1.5], var(r) = 0.5625; cov(R1, r) = 0.375, cov(R2, r) = 0.1875.
     assert nci({"a": [0, 1], "b": [0, 0.5]}, {"a": 1, "b": 1}) == pytest.approx({"a": 2 / 3, "b": 1 / 3})
     rng = np.random.default_rng(1)
@@ -186,6 +186,9 @@ def test_nci_by_hand_sums_to_one_and_handles_zero_variance():
     # Group 0 varies only through b, group 1 not at all (ignored), group 2 only through a.
     grouped = group_nci({"a": [1, 1, 0, 0, 0, 1], "b": [0, 1, 1, 1, 0, 0]}, {"a": 1, "b": 1}, [0, 0, 1, 1, 2, 2])
     assert grouped == pytest.approx({"a": 0.5, "b": 0.5})
+    # Within-group spread: a's groups have std 0, 0, 0.5 (mean 1/6); b's 0.5, 0, 0 (mean 1/6); c saturated.
+    spread = group_spread({"a": [1, 1, 0, 0, 0, 1], "b": [0, 1, 1, 1, 0, 0], "c": [0.9] * 6}, [0, 0, 1, 1, 2, 2])
+    assert spread == pytest.approx({"a": 1 / 6, "b": 1 / 6, "c": 0.0})
 
 
 # ---- formats ------------------------------------------------------------------------------------------------------
