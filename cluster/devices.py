@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 
 def accelerator() -> str:
@@ -22,6 +24,21 @@ def pin_threads(threads: int) -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     torch.set_num_threads(threads)
+
+
+def allocator_env() -> dict[str, str]:
+    """Environment for a process that should allocate with jemalloc (the copy Ray ships in ray/core/), for actors
+    whose tensors are large and short-lived (learner ranks on CPU); {} where Ray ships none or something is preloaded.
+
+    glibc returns every freed block above its mmap threshold (32 MB at most) to the kernel, so each micro-batch's
+    activations and logits are page-faulted in again, zeroed by the kernel; jemalloc keeps freed pages for reuse.
+    Set it before the process starts (an actor's runtime_env): the path is this machine's Ray, which a cluster's
+    nodes share when they run one image."""
+    import ray
+    lib = Path(ray.__file__).parent / "core" / "libjemalloc.so"
+    if sys.platform != "linux" or not lib.is_file() or os.environ.get("LD_PRELOAD"):
+        return {}
+    return {"LD_PRELOAD": str(lib), "MALLOC_CONF": "dirty_decay_ms:30000,muzzy_decay_ms:30000"}
 
 
 def init_deepspeed_distributed(device: str) -> None:

@@ -118,13 +118,13 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     Dividing by the sampling temperature makes these the log-probabilities of the distribution
     the rollout engine sampled from, so rho = 1 on the first update when weights are in sync.
     """
-    logits = logits.float() / temperature
+    logits = logits.float() / temperature if temperature != 1.0 else logits.float()
     return torch.gather(logits.log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T]."""
-    logp = (logits.float() / temperature).log_softmax(-1)
+    logp = (logits.float() / temperature if temperature != 1.0 else logits.float()).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
 
 

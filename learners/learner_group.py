@@ -11,7 +11,8 @@ import ray
 import torch
 
 from actors.image_tokens import ImageTokens
-from cluster.devices import accelerator, fast_bfloat16, init_deepspeed_distributed, pin_threads, resolve_compute_dtype
+from cluster.devices import (accelerator, allocator_env, fast_bfloat16, init_deepspeed_distributed, pin_threads,
+                             resolve_compute_dtype)
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import algorithm as algo
 from learners.batches import forward_logp, image_inputs, load_causal_lm, lr_lambda, pad_batch
@@ -285,8 +286,9 @@ class LearnerGroup:
     def __init__(self, cfg, placement, model_path: str, resume_from=None, resume_source: str | None = None):
         res = cfg.cluster.learner
         self.cfg = cfg
-        self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}")).remote(
-            i, res.num, res.threads) for i in range(res.num)]
+        allocator = {"runtime_env": {"env_vars": env}} if (env := allocator_env()) else {}
+        self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}"),
+                                            **allocator).remote(i, res.num, res.threads) for i in range(res.num)]
         master = ray.get(self.ranks[0].address.remote())
         stages = [(stage, cfg.for_stage(i)) for i, stage in enumerate(cfg.stage_plan())]
         total_updates = sum(stage.steps * optimizer_steps_per_batch(stage_cfg) if stage.kind == "grpo" else stage.steps

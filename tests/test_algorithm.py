@@ -124,6 +124,8 @@ def test_learner_forward_scores_exactly_the_response_tokens_of_a_padded_batch(ti
             assert batch["mask"][i, start:start + len(t.response_ids)].tolist() == t.loss_mask
             assert batch["old_logp"][i, start:start + len(t.response_ids)].tolist() == pytest.approx(t.logprobs)
     assert logp.shape == entropy.shape == batch["mask"].shape
+    counted = batch["mask"] != 0  # entropy is a statistic of the loss's tokens only
+    assert (entropy[counted] > 0).all() and (entropy[~counted] == 0).all()
 
 
 def test_learner_forward_in_bfloat16_autocast_keeps_float32_weights_and_logprobs(tiny_model_path):

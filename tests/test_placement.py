@@ -30,3 +30,21 @@ def test_an_autoscaling_cluster_waits_for_the_bundles_and_says_for_which_roles(r
     left = [g for g in ray.util.placement_group_table().values()
             if g["name"].startswith("medray-") and g["state"] != "REMOVED"]
     assert left == [], "a timed-out placement releases every group it asked for"
+
+
+def test_an_actor_started_with_the_allocator_env_allocates_with_jemalloc_and_keeps_the_session_env(ray_session):
+    """Learner ranks start with allocator_env(): jemalloc must be what the process allocates with, and the session's
+    own worker variables (zero-copy tensors, passive OpenMP waits) must still reach it."""
+    from cluster.devices import allocator_env
+
+    env = allocator_env()
+    assert env, "Ray ships ray/core/libjemalloc.so on Linux"
+
+    @ray_session.remote(num_cpus=0)
+    def process_state() -> tuple[bool, str | None]:
+        import os
+        with open("/proc/self/maps") as fh:
+            return "libjemalloc" in fh.read(), os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")
+
+    assert ray_session.get(process_state.options(runtime_env={"env_vars": env}).remote()) == (True, "1")
+    assert ray_session.get(process_state.remote())[0] is False  # other actors keep glibc's allocator
