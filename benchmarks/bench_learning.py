@@ -14,7 +14,9 @@ run's own evaluations, hpo:mcq_test), with the wall-clock of the whole run inclu
 retrieval: the HPO diagnosis task, evaluated on held-out diseases (hpo:mcq_test: no test disease occurs in training,
 so only retrieval can answer). On the real model (default), two quickstart runs per seed, each evaluated after its
 cold start and after its GRPO stage: as shipped (sft_only, grpo_retrieval) and with retrieval off, its cold start on
-think-then-answer demonstrations (sft_direct, grpo_no_retrieval); same steps, lr and rewards otherwise.
+think-then-answer demonstrations (sft_direct, grpo_no_retrieval); same steps, lr and rewards otherwise; and the
+quickstart's GRPO stage again from the same cold start with Med-RwR's query-semantic and confidence-gain rewards added
+(grpo_retrieval_rwr).
 On the tiny Qwen2 (--model tiny): two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
   sft_only            SFT on scripted-expert retrieval demonstrations (learners/expert.py), S steps
   sft_direct          SFT on think-then-answer demonstrations (no retrieval), S steps
@@ -27,7 +29,8 @@ shows each hit's title only, marked "(option X)" when it is an option, so readin
 must learn is a query that retrieves the right disease; and that with a tiny model pre-trained to copy
 (`model.tiny.copy_pretrain_steps=5000`), the only setting where retrieval won.
 armed: ARMed's adaptive vs static semantic reward on the open-ended HPO task (text): the NCI of the semantic
-component over R GRPO steps (goal: adaptive stays >= 0.25 where static falls below 0.1), both from one SFT cold start
+component over R GRPO steps (goal: adaptive stays >= 0.25 where static falls below 0.1) and each arm's BLEU-1,
+ROUGE-1 and BERTScore on held-out cases (hpo:open_test, greedy), both from one SFT cold start
 of S steps on direct demonstrations (ARMed trains a model that already answers; --sft-steps 0: from the model's own
 weights), on the real model with the quickstart's settings (GRPO at 1e-5) or on the tiny Qwen2 (--model tiny).
 Writes benchmarks/results/learning_<suite>.json and a plot (learning_retrieval_<name>.png: the setting's arms;
@@ -64,6 +67,9 @@ MODELS = {"tiny": (TINY, [*LENGTHS, *WARMUP], 32, 3e-4),
 FORMAT_ACCURACY = "rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: accuracy, weight: 2.0}]"
 RWR = ("rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: accuracy, weight: 2.0}, "
        "{name: query_semantic_text, weight: 0.4}, {name: confidence_gain, weight: 1.0}]")
+# The quickstart's rewards with Med-RwR's two added at the weights above.
+RWR_REAL = ("rewards.components=[{name: tag_format, args: {tags: [answer]}}, {name: valid_option, weight: 0.5}, "
+            "{name: accuracy}, {name: query_semantic_text, weight: 0.4}, {name: confidence_gain, weight: 1.0}]")
 
 
 def demonstrations(runs: Path, kind: str, args, data: str = "hpo:mcq_train") -> Path:
@@ -92,13 +98,22 @@ def train(out: Path, overrides: list[str], model: str = "tiny") -> tuple[Path, f
     return out / "checkpoints" / "latest", sum(m.get("step_s", 0.0) for m in metrics), metrics
 
 
-def evaluate(checkpoint: Path, overrides: list[str], limit: int) -> dict:
-    out = checkpoint.parent.parent / "eval_test"
+def evaluate(checkpoint: Path, overrides: list[str], limit: int, model: str = "tiny",
+             data: str = "hpo:mcq_test") -> dict:
+    """A run's checkpoint scored on the first `limit` tasks of `data` (unless already scored)."""
+    config, common, *_ = MODELS[model]
+    out = checkpoint.parent.parent / f"eval_{data.split(':')[-1]}"
     if not (out / "eval.json").exists():
-        subprocess.run([PYTHON, "-m", "learners.evaluate", "--config", TINY, "--checkpoint",
-                        str(checkpoint), "--data", "hpo:mcq_test", "--limit", str(limit), "--out", str(out),
-                        *LENGTHS, *overrides], cwd=ROOT, check=True)
+        subprocess.run([PYTHON, "-m", "learners.evaluate", "--config", config, "--checkpoint", str(checkpoint),
+                        "--data", data, "--limit", str(limit), "--out", str(out), *common, *overrides],
+                       cwd=ROOT, check=True)
     return json.loads((out / "eval.json").read_text())
+
+
+def text_scores(result: dict) -> dict:
+    """An open-ended evaluation's means (and 95% intervals) of BLEU-1, ROUGE-1 and BERTScore F1."""
+    return {k: f"{result[k]['mean']:.3f} [{result[k]['low']:.3f}, {result[k]['high']:.3f}]"
+            for k in ("bleu1", "rouge1", "bertscore")}
 
 
 def cold_start(steps: int, demos: Path, model: str = "tiny") -> list[str]:
@@ -158,22 +173,69 @@ def quickstart_suite(args) -> list[dict]:
             for row in quickstart_rows(runs_dir(args) / f"quickstart_seed{seed}", seed, args.overrides)]
 
 
+def phenotype_passages(runs: Path, chars: int = 240) -> Path:
+    """The HPO knowledge base as one short passage per document: its summary after the name line (a disease's
+    inheritance, course and phenotypes by frequency; a term's definition), cut to `chars` characters (~55 tokens),
+    so five hits fit the observation a small model reads, where one chunk of the knowledge base (phenotype
+    definitions, ~300 tokens) fills it."""
+    from actors.retrieval_index import resolve_corpus
+    out = runs / f"kb_phenotype_passages_{chars}.jsonl"
+    if not out.exists():
+        def passage(text: str) -> str:
+            lines = text.split("\n")
+            summary = " ".join(next((lines[1:i] for i, line in enumerate(lines) if line.startswith("Key ")), lines[1:]))
+            summary = summary or lines[0]
+            return summary if len(summary) <= chars else summary[:chars].rsplit(" ", 1)[0] + " ..."
+        rows = [json.loads(line) for line in resolve_corpus("hpo").read_text().splitlines()]
+        out.write_text("".join(json.dumps({**r, "id": r["doc_id"], "text": passage(r["text"])}) + "\n"
+                               for r in rows if r["id"].endswith("#0")))
+    return out
+
+
+def real_retrieval_settings(args, seed: int) -> dict[str, tuple[Path, list[str], tuple]]:
+    """{setting: (run folder, overrides, (arm after the cold start, arm after GRPO))} of one seed on the real model."""
+    from learners.config import load_config
+    cold, grpo = load_config(ROOT / QUICKSTART).stage_plan()
+    shipped, both = runs_dir(args) / f"quickstart_seed{seed}", f"eval.every={cold.steps}"
+    cold_start_weights = shipped / "checkpoints" / f"step_{cold.steps}"
+    rwr = [f"model.path={cold_start_weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
+           "stages=[{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]" % (grpo.steps, grpo.set["learner.lr"]),
+           RWR_REAL, "recipe=med_rwr"]
+    passages = [f"retrieval.kb={phenotype_passages(runs_dir(args))}", "retrieval.show=passages",
+                "retrieval.link_options=false", "retrieval.search.top_k=5", "rollout.grammar.top_k=5",
+                "rollout.grammar.max_observation_tokens=320", "rollout.grammar.max_response_tokens=480"]
+    return {"retrieval": (shipped, [both], ("sft_only", "grpo_retrieval")),
+            "no_retrieval": (shipped.with_name(shipped.name + "_no_retrieval"), [both, *SINGLE_TURN],
+                             ("sft_direct", "grpo_no_retrieval")),
+            "rwr": (shipped.with_name(shipped.name + "_rwr"), rwr, (None, "grpo_retrieval_rwr")),
+            "passages": (shipped.with_name(shipped.name + "_passages"), [both, *passages],
+                         ("passages_sft", "passages_grpo"))}
+
+
+REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages")
+
+
 def real_retrieval_suite(args) -> list[dict]:
-    """The retrieval arms on the real model: the quickstart as shipped, evaluated after its cold start too (sft_only,
-    grpo_retrieval), and the same run with retrieval off, cold start on direct demonstrations (sft_direct,
-    grpo_no_retrieval); one run each per seed. The retrieval run is the quickstart suite's run of that seed."""
+    """The retrieval settings on the real model, one run each per seed (--arms: a subset): the quickstart as shipped,
+    evaluated after its cold start too (sft_only, grpo_retrieval; the quickstart suite's run of that seed); the same
+    run with retrieval off, cold start on direct demonstrations (sft_direct, grpo_no_retrieval); the quickstart's GRPO
+    stage from that cold start's checkpoint with Med-RwR's rewards added (grpo_retrieval_rwr); and the policy reading
+    passages (phenotype_passages, five a search, no option links; passages_sft, passages_grpo)."""
     from learners.config import load_config
     cold_steps = load_config(ROOT / QUICKSTART).stage_plan()[0].steps
-    settings = (("", [], ("sft_only", "grpo_retrieval")),
-                ("_no_retrieval", SINGLE_TURN, ("sft_direct", "grpo_no_retrieval")))
     rows = []
     for seed in args.seeds:
-        for suffix, extra, (after_sft, after_grpo) in settings:
-            out = runs_dir(args) / f"quickstart_seed{seed}{suffix}"
-            for row in quickstart_rows(out, seed, [f"eval.every={cold_steps}", *extra, *args.overrides]):
-                if row["step"] == 0 and suffix:  # the base model is measured once per seed
+        for name, (out, extra, (after_sft, after_grpo)) in real_retrieval_settings(args, seed).items():
+            if name not in (args.arms or REAL_SETTINGS):
+                continue
+            if name == "rwr" and not (runs_dir(args) / f"quickstart_seed{seed}" / "eval.json").exists():
+                raise SystemExit(f"the rwr setting starts from the retrieval setting's cold start: run --arms "
+                                 f"retrieval --seeds {seed} first")
+            for row in quickstart_rows(out, seed, [*extra, *args.overrides]):
+                if row["step"] == 0 and name != "retrieval":  # the base model is measured once per seed
                     continue
-                arm = "base" if row["step"] == 0 else after_sft if row["step"] == cold_steps else after_grpo
+                arm = "base" if row["step"] == 0 else after_sft if after_sft and row["step"] == cold_steps \
+                    else after_grpo
                 rows.append({"arm": arm, **row})
     return rows
 
@@ -214,27 +276,35 @@ def retrieval_suite(args) -> list[dict]:
 
 def armed_suite(args) -> list[dict]:
     runs, task = runs_dir(args), ["data.train=hpo:open_train", *SINGLE_TURN]
-    base = [*task, *grpo_only(args.rl_steps), "rollout.stop=[</answer>]",
-            "rollout.max_new_tokens=32", "rollout.temperature=0.7", "algorithm.dynamic_sampling=false"]
+    answer = ["rollout.stop=[</answer>]", "rollout.max_new_tokens=32"]
+    base = [*task, *grpo_only(args.rl_steps), *answer, "rollout.temperature=0.7", "algorithm.dynamic_sampling=false"]
+    rows, curves = [], {}
+
+    def held_out(checkpoint: Path) -> dict:
+        return text_scores(evaluate(checkpoint, [*SINGLE_TURN, *answer, *args.overrides], args.eval_limit,
+                                    args.model, "hpo:open_test"))
+
     if args.sft_steps:  # ARMed starts RL from a model that already answers: both arms from one SFT cold start
         demos = demonstrations(runs, "direct", args, data="hpo:open_train")
         cold, *_ = train(runs / "armed_cold_start", [f"seed={args.seed}", *args.overrides, *task,
                                                       *cold_start(args.sft_steps, demos, args.model)], args.model)
         base += [f"model.path={cold.resolve()}", f"learner.lr={args.rl_lr or MODELS[args.model][3]}"]
-    rows, curves = [], {}
+        rows.append({"arm": "armed_cold_start", **held_out(cold)})
     for adaptive in (True, False):
         name = f"armed_{'adaptive' if adaptive else 'static'}"
         rewards = ("rewards.components=[{name: armed_textual, weight: 0.4}, {name: armed_semantic, weight: 0.4, "
                    "args: {adaptive: %s}}, {name: tag_format, weight: 0.2, args: {tags: [answer]}}]"
                    % str(adaptive).lower())
-        _, seconds, metrics = train(runs / name, [f"seed={args.seed}", *args.overrides, *base, rewards], args.model)
+        checkpoint, seconds, metrics = train(runs / name, [f"seed={args.seed}", *args.overrides, *base, rewards],
+                                             args.model)
         nci = [m.get("nci/armed_semantic", 0.0) for m in metrics]
         curves[name] = nci
         tail = nci[len(nci) // 2:]
         rows.append({"arm": name, "nci_semantic_first5": round(sum(nci[:5]) / 5, 3),
                      "nci_semantic_second_half": round(sum(tail) / len(tail), 3),
                      "nci_semantic_min": round(min(nci), 3), "reward_last5": round(
-                         sum(m["reward_mean"] for m in metrics[-5:]) / 5, 3), "train_minutes": round(seconds / 60, 1)})
+                         sum(m["reward_mean"] for m in metrics[-5:]) / 5, 3), "train_minutes": round(seconds / 60, 1),
+                     **held_out(checkpoint)})
     plot(rows, "armed", curves, setting=None if (args.model, args.name) == ("tiny", "default") else plot_setting(args))
     return rows
 
@@ -269,7 +339,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="quickstart: one run per seed")
     parser.add_argument("--model", choices=["real", "tiny"], default="real",
                         help="SmolLM2-135M-Instruct (configs/quickstart.yaml) or the tiny random model")
-    parser.add_argument("--arms", nargs="*", help="retrieval --model tiny: a subset of the arms")
+    parser.add_argument("--arms", nargs="*", help="retrieval: a subset of the arms (--model tiny) or of the settings "
+                                                  f"(real: {' '.join(REAL_SETTINGS)})")
     parser.add_argument("--sft-steps", type=int, default=60,
                         help="cold-start SFT steps (armed: 0 = RL from random weights)")
     parser.add_argument("--rl-steps", type=int, default=40)
