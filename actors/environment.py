@@ -149,17 +149,25 @@ class Environment:
 
 
 def retrieval_text(hits: list[dict] | None, error: str | None, *, show: str = "passages",
-                   options: dict[str, str] | None = None) -> str:
+                   options: dict[str, str] | None = None, passage_chars: int | None = None) -> str:
     """Retrieved chunks as the policy reads them, or the failure it must reason around.
 
-    show "passages": "[i] title: text" per hit; "titles": "[i] title" only (every hit fits a short observation).
+    show "passages": "[i] title: text" per hit, the text cut after `passage_chars` characters (at a word, marked
+    " ...") when given, so that every hit fits a short observation; "titles": "[i] title" only.
     options (a multiple-choice question's {letter: text}): a hit whose title is an option's text is marked
     "(option X)", i.e. the retrieved documents are linked to the candidate answers.
     """
     if error is not None:
         return f"retrieval failed ({error}); continue without it"
-    return "\n".join(hit_header(i, d, options) + (f": {d['text']}" if show == "passages" else "")
+    return "\n".join(hit_header(i, d, options) + (f": {passage(d['text'], passage_chars)}" if show == "passages" else "")
                      for i, d in enumerate(hits)) or "no results"
+
+
+def passage(text: str, chars: int | None) -> str:
+    """`text`, or its first `chars` characters up to the last whole word, marked " ..."."""
+    if chars is None or len(text) <= chars:
+        return text
+    return text[:chars].rsplit(" ", 1)[0] + " ..."
 
 
 def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> str:
@@ -172,14 +180,14 @@ def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> s
 
 class RetrievalEnvironment(Environment):
     """Queries go to a :class:`~actors.retriever.Retriever` actor (or a ShardedRetriever) in one batched call;
-    each turn records the query and the retrieved chunks (ids and text). `show` and `link_options` shape the
-    observation (:func:`retrieval_text`)."""
+    each turn records the query and the retrieved chunks (ids and text). `show`, `link_options` and `passage_chars`
+    shape the observation (:func:`retrieval_text`)."""
     role = "retriever"
 
     def __init__(self, retriever, top_k: int, timeout_s: float = 60.0, show: str = "passages",
-                 link_options: bool = False):
+                 link_options: bool = False, passage_chars: int | None = None):
         self.retriever, self.top_k, self.timeout_s = retriever, top_k, timeout_s
-        self.show, self.link_options = show, link_options
+        self.show, self.link_options, self.passage_chars = show, link_options, passage_chars
 
     def call(self, episodes: list[Episode], actions: list[str]) -> list:
         search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
@@ -191,7 +199,8 @@ class RetrievalEnvironment(Environment):
         record = {"query": action, "error": error,
                   "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
         options = episode.task.get("options") if self.link_options else None
-        return Observation(retrieval_text(hits, error, show=self.show, options=options), record)
+        return Observation(retrieval_text(hits, error, show=self.show, options=options,
+                                          passage_chars=self.passage_chars), record)
 
     def actors(self) -> list:
         return list(getattr(self.retriever, "actors", [self.retriever]))

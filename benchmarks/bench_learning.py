@@ -173,25 +173,6 @@ def quickstart_suite(args) -> list[dict]:
             for row in quickstart_rows(runs_dir(args) / f"quickstart_seed{seed}", seed, args.overrides)]
 
 
-def phenotype_passages(runs: Path, chars: int = 240) -> Path:
-    """The HPO knowledge base as one short passage per document: its summary after the name line (a disease's
-    inheritance, course and phenotypes by frequency; a term's definition), cut to `chars` characters (~55 tokens),
-    so five hits fit the observation a small model reads, where one chunk of the knowledge base (phenotype
-    definitions, ~300 tokens) fills it."""
-    from actors.retrieval_index import resolve_corpus
-    out = runs / f"kb_phenotype_passages_{chars}.jsonl"
-    if not out.exists():
-        def passage(text: str) -> str:
-            lines = text.split("\n")
-            summary = " ".join(next((lines[1:i] for i, line in enumerate(lines) if line.startswith("Key ")), lines[1:]))
-            summary = summary or lines[0]
-            return summary if len(summary) <= chars else summary[:chars].rsplit(" ", 1)[0] + " ..."
-        rows = [json.loads(line) for line in resolve_corpus("hpo").read_text().splitlines()]
-        out.write_text("".join(json.dumps({**r, "id": r["doc_id"], "text": passage(r["text"])}) + "\n"
-                               for r in rows if r["id"].endswith("#0")))
-    return out
-
-
 def real_retrieval_settings(args, seed: int) -> dict[str, tuple[Path, list[str], tuple]]:
     """{setting: (run folder, overrides, (arm after the cold start, arm after GRPO))} of one seed on the real model."""
     from learners.config import load_config
@@ -201,9 +182,11 @@ def real_retrieval_settings(args, seed: int) -> dict[str, tuple[Path, list[str],
     rwr = [f"model.path={cold_start_weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
            "stages=[{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]" % (grpo.steps, grpo.set["learner.lr"]),
            RWR_REAL, "recipe=med_rwr"]
-    passages = [f"retrieval.kb={phenotype_passages(runs_dir(args))}", "retrieval.show=passages",
-                "retrieval.link_options=false", "retrieval.search.top_k=5", "rollout.grammar.top_k=5",
-                "rollout.grammar.max_observation_tokens=320", "rollout.grammar.max_response_tokens=480"]
+    # five passages, each cut to its first ~50 tokens (the name line, then phenotypes by frequency), fit the
+    # observation; whole, one fills it
+    passages = ["retrieval.show=passages", "retrieval.link_options=false", "retrieval.passage_chars=200",
+                "retrieval.search.top_k=5", "rollout.grammar.top_k=5", "rollout.grammar.max_observation_tokens=320",
+                "rollout.grammar.max_response_tokens=480"]
     return {"retrieval": (shipped, [both], ("sft_only", "grpo_retrieval")),
             "no_retrieval": (shipped.with_name(shipped.name + "_no_retrieval"), [both, *SINGLE_TURN],
                              ("sft_direct", "grpo_no_retrieval")),
@@ -220,7 +203,7 @@ def real_retrieval_suite(args) -> list[dict]:
     evaluated after its cold start too (sft_only, grpo_retrieval; the quickstart suite's run of that seed); the same
     run with retrieval off, cold start on direct demonstrations (sft_direct, grpo_no_retrieval); the quickstart's GRPO
     stage from that cold start's checkpoint with Med-RwR's rewards added (grpo_retrieval_rwr); and the policy reading
-    passages (phenotype_passages, five a search, no option links; passages_sft, passages_grpo)."""
+    passages, five a search cut to 200 characters each, no option links (passages_sft, passages_grpo)."""
     from learners.config import load_config
     cold_steps = load_config(ROOT / QUICKSTART).stage_plan()[0].steps
     rows = []
@@ -304,6 +287,10 @@ def armed_suite(args) -> list[dict]:
                      "nci_semantic_second_half": round(sum(tail) / len(tail), 3),
                      "nci_semantic_min": round(min(nci), 3), "reward_last5": round(
                          sum(m["reward_mean"] for m in metrics[-5:]) / 5, 3), "train_minutes": round(seconds / 60, 1),
+                     # what is left within a group to rank by, early and late (runs logging spread/*)
+                     **{f"spread_{c}_{when}": round(sum(m.get(f"spread/armed_{c}", 0.0) for m in part) / 5, 4)
+                        for c in ("semantic", "textual") for when, part in (("first5", metrics[:5]),
+                                                                            ("last5", metrics[-5:]))},
                      **held_out(checkpoint)})
     plot(rows, "armed", curves, setting=None if (args.model, args.name) == ("tiny", "default") else plot_setting(args))
     return rows

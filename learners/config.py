@@ -108,6 +108,8 @@ class RetrievalSection(Strict):
                                                 "'[i] title: text', or '[i] title' only")
     link_options: bool = Field(False, description="mark a hit whose title is a multiple-choice option's text with "
                                                   "'(option X)': the documents linked to the candidate answers")
+    passage_chars: int | None = Field(None, ge=1, description="show passages: each hit's text cut after this many "
+                                                              "characters (the index holds it whole); null: whole")
 
     @model_validator(mode="after")
     def _mode_needs_vectors(self):

@@ -64,13 +64,15 @@ def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter
 
 
 def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, answer_with: str = "letter",
-                            show: str = "passages", link_options: bool = False) -> dict | None:
+                            show: str = "passages", link_options: bool = False,
+                            passage_chars: int | None = None) -> dict | None:
     """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown.
-    `show` and `link_options` format the hits as the run's RetrievalEnvironment does."""
+    `show`, `link_options` and `passage_chars` format the hits as the run's RetrievalEnvironment does."""
     from actors.environment import hit_header, retrieval_text
 
     options = task.get("options") if link_options else None
-    observation = cut_observation(grammar, retrieval_text(hits, None, show=show, options=options), tokenizer)
+    observation = cut_observation(grammar, retrieval_text(hits, None, show=show, options=options,
+                                                          passage_chars=passage_chars), tokenizer)
     doc_id = (task.get("metadata") or {}).get("kb_doc_id")
     if doc_id:
         end = ":" if show == "passages" else "\n"  # the whole header is shown, not cut
@@ -157,7 +159,7 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
             chunk = tasks[start:start + 64]
             for task, hits in zip(chunk, retriever.search([expert_query(t) for t in chunk], grammar.top_k)):
                 demo = retrieval_demonstration(task, grammar, hits, tokenizer, answer_with, cfg.retrieval.show,
-                                               cfg.retrieval.link_options)
+                                               cfg.retrieval.link_options, cfg.retrieval.passage_chars)
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:

@@ -78,7 +78,8 @@ def start_environment(cfg, placement: Placement) -> Environment | None:
         from actors.gym import make_tool_environment
         return make_tool_environment(cfg.tools, retriever)
     return RetrievalEnvironment(retriever, top_k=cfg.retrieval.search.top_k, timeout_s=cfg.retrieval.timeout_s,
-                                show=cfg.retrieval.show, link_options=cfg.retrieval.link_options)
+                                show=cfg.retrieval.show, link_options=cfg.retrieval.link_options,
+                                passage_chars=cfg.retrieval.passage_chars)
 
 
 def service_actors(environment: Environment | None, judge) -> dict[str, list]:

@@ -72,13 +72,13 @@ Observe = Callable[[str, list[dict]], Awaitable[Step]]
 
 
 def retrieval_observer(search: Search, top_k: int, timeout_s: float, show: str = "passages",
-                       options: dict[str, str] | None = None) -> Observe:
-    """Retrieval as training showed it (`actors.environment.retrieval_text`: `show`, and with `options`, a
-    multiple-choice question's {letter: text}, each hit named like an option is linked to it); a failed search is an
-    observation the model reads, not a failed request."""
+                       options: dict[str, str] | None = None, passage_chars: int | None = None) -> Observe:
+    """Retrieval as training showed it (`actors.environment.retrieval_text`: `show` and `passage_chars`, and with
+    `options`, a multiple-choice question's {letter: text}, each hit named like an option is linked to it); a failed
+    search is an observation the model reads, not a failed request."""
     async def observe(query: str, turns: list[dict]) -> Step:
         hits, error = await _search(search, query, top_k, timeout_s)
-        return Step(retrieval_text(hits, error, show=show, options=options),
+        return Step(retrieval_text(hits, error, show=show, options=options, passage_chars=passage_chars),
                     {"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
     return observe
 

@@ -283,7 +283,8 @@ class ChatServer:
         agent = self.settings.agent
         observe = tool_observer(self.tools, prompt.images, agent.tool_timeout_s) if self.tools else \
             retrieval_observer(search, grammar.top_k, agent.retrieval_timeout_s, agent.show,
-                               parse_option_listing(last_user_text(req)) if agent.link_options else None)
+                               parse_option_listing(last_user_text(req)) if agent.link_options else None,
+                               agent.passage_chars)
         # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
         episode = functools.partial(run_agent, generate, observe, self.tokenizer, grammar, prompt.ids,
                                     images=prompt.images, vision=self.vision,

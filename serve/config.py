@@ -77,6 +77,8 @@ class AgentSettings(Strict):
                                                                          "none: the run's retrieval.show")
     link_options: bool | None = Field(None, description="mark hits named like an option of the question; none: the "
                                                         "run's retrieval.link_options")
+    passage_chars: int | None = Field(None, ge=1, description="cut each passage after this many characters; none: "
+                                                              "the run's retrieval.passage_chars")
     retrieval_timeout_s: float = Field(30.0, gt=0)
     image_index_dir: str | None = Field(
         None, description="CDIR's image-caption index (python -m actors.image_index): with a multimodal checkpoint, "
@@ -139,7 +141,8 @@ def agent_from_run(agent: AgentSettings, run: dict | None) -> AgentSettings:
             "top_k", 3))}) if grammar else default_grammar),
         "show": agent.show or (retrieval or {}).get("show", "passages"),
         "link_options": agent.link_options if agent.link_options is not None else
-        bool((retrieval or {}).get("link_options", False))})
+        bool((retrieval or {}).get("link_options", False)),
+        "passage_chars": agent.passage_chars or (retrieval or {}).get("passage_chars")})
 
 
 class ServeSettings(Strict):

@@ -26,8 +26,8 @@ def test_option_listing_round_trips_through_a_question():
     assert parse_option_listing("A. lonely line") == {} and parse_option_listing("no options") == {}
 
 
-@pytest.mark.parametrize("show,link", [("titles", True), ("passages", False)])
-def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_model_path, show, link):
+@pytest.mark.parametrize("show,link,chars", [("titles", True, None), ("passages", False, None), ("passages", False, 16)])
+def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_model_path, show, link, chars):
     from transformers import AutoTokenizer
 
     from serve.agent import retrieval_observer, run_agent
@@ -36,11 +36,13 @@ def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_mod
     grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=1, top_k=2, max_observation_tokens=64)
     task = {"options": OPTIONS, "answer": "B"}
     # training and evaluation: the rollout workers' RetrievalEnvironment
-    env = RetrievalEnvironment(None, top_k=2, show=show, link_options=link)
+    env = RetrievalEnvironment(None, top_k=2, show=show, link_options=link, passage_chars=chars)
     trained = env.observe(Episode(task=task, group=0, seed=0, prompt_ids=[1]), "tall", HITS, None).text
     expected = cut_observation(grammar, trained, tokenizer)  # what the engine inserts (the expert's demonstrations too)
     if link:
         assert "[1] Marfan syndrome (option B)" in trained and "Homocystinuria" in trained
+    if chars:  # passages cut at a word, each hit still shown
+        assert "[1] Marfan syndrome: Tall stature, ...\n[2] Homocystinuria: Lens ..." in trained
 
     turns = iter(["<query>tall</query>", "<answer>B</answer>"])
 
@@ -52,7 +54,8 @@ def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_mod
         return [HITS[:top_k]]
 
     observe = retrieval_observer(search, 2, 5, show=show,
-                                 options=parse_option_listing(option_listing(OPTIONS)) if link else None)
+                                 options=parse_option_listing(option_listing(OPTIONS)) if link else None,
+                                 passage_chars=chars)
     served = asyncio.run(run_agent(generate, observe, tokenizer, grammar, [1], max_tokens=64, max_model_len=512,
                                    stop=[], seed=0, timeout_s=5))
     assert served.answer == "B"
@@ -100,8 +103,9 @@ def test_agent_mode_follows_the_run_that_wrote_the_checkpoint(trained, bm25_inde
     assert agent.grammar.max_observation_tokens == 224  # the quickstart's
     assert agent.retrieval["mode"] == "sparse"
     # explicit settings override the run's
-    agent = resolved(checkpoint=str(trained), **{"agent.show": "passages", "agent.link_options": "false"}).agent
-    assert (agent.show, agent.link_options) == ("passages", False)
+    agent = resolved(checkpoint=str(trained), **{"agent.show": "passages", "agent.link_options": "false",
+                                                 "agent.passage_chars": "200"}).agent
+    assert (agent.show, agent.link_options, agent.passage_chars) == ("passages", False, 200)
     assert resolved(checkpoint=str(trained), **{"agent.enabled": "false"}).agent.enabled is False
 
 
