@@ -27,18 +27,20 @@ def pin_threads(threads: int) -> None:
 
 
 def allocator_env() -> dict[str, str]:
-    """Environment for a process that should allocate with jemalloc (the copy Ray ships in ray/core/), for actors
-    whose tensors are large and short-lived (learner ranks on CPU); {} where Ray ships none or something is preloaded.
+    """Environment for a process that should allocate with jemalloc (the copy Ray ships in ray/core/), keeping the
+    pages it frees, for actors whose tensors are large and short-lived (learner ranks on CPU); {} where Ray ships none
+    or something is preloaded already.
 
-    glibc returns every freed block above its mmap threshold (32 MB at most) to the kernel, so each micro-batch's
-    activations and logits are page-faulted in again, zeroed by the kernel; jemalloc keeps freed pages for reuse.
-    Set it before the process starts (an actor's runtime_env): the path is this machine's Ray, which a cluster's
-    nodes share when they run one image."""
+    glibc hands every freed block above its mmap threshold (32 MB at most) back to the kernel, and jemalloc with its
+    default decay purges them too, so each micro-batch's logits and activations are page-faulted in again, zeroed
+    by the kernel. With purging off (`dirty_decay_ms:-1`) freed pages are reused; the process keeps its peak
+    resident size. Set it before the process starts (an actor's runtime_env): the path is this machine's Ray, which
+    a cluster's nodes share when they run one image."""
     import ray
     lib = Path(ray.__file__).parent / "core" / "libjemalloc.so"
     if sys.platform != "linux" or not lib.is_file() or os.environ.get("LD_PRELOAD"):
         return {}
-    return {"LD_PRELOAD": str(lib), "MALLOC_CONF": "dirty_decay_ms:30000,muzzy_decay_ms:30000"}
+    return {"LD_PRELOAD": str(lib), "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
 
 
 def init_deepspeed_distributed(device: str) -> None:
