@@ -16,13 +16,16 @@ from recipes import Recipe, register_recipe
 
 
 def answer_probe_sequences(prompt_ids: list[int], response_ids: list[int], loss_mask: list[int],
-                           answer_open_id: int, gold_id: int) -> tuple[list[int], list[int]] | None:
+                           answer_open: list[int], gold_id: int) -> tuple[list[int], list[int]] | None:
     """(with retrieval, without retrieval) token sequences ending in the gold answer token placed right after the
-    policy's last `<answer>`; None when the policy wrote no `<answer>` or the environment inserted nothing."""
-    opens = [i for i, (t, m) in enumerate(zip(response_ids, loss_mask)) if t == answer_open_id and m]
-    if not opens or all(loss_mask):
+    policy's last `<answer>` (`answer_open`: the tag's token ids, one special token or several ordinary ones); None
+    when the policy wrote no `<answer>` or the environment inserted nothing."""
+    n = len(answer_open)
+    ends = [i + n for i in range(len(response_ids) - n + 1)
+            if response_ids[i:i + n] == answer_open and all(loss_mask[i:i + n])]
+    if not ends or all(loss_mask):
         return None
-    upto = opens[-1] + 1
+    upto = ends[-1]
     with_k = prompt_ids + response_ids[:upto] + [gold_id]
     without_k = prompt_ids + [t for t, m in zip(response_ids[:upto], loss_mask[:upto]) if m] + [gold_id]
     return with_k, without_k
@@ -33,7 +36,7 @@ class AnswerProbe(RolloutHook):
 
     def finish(self, worker, trajectories: list[Trajectory]) -> dict[str, float]:
         tokenizer = worker.tokenizer
-        answer_open = tokenizer.convert_tokens_to_ids(f"<{worker.runner.grammar.answer_tag}>")
+        answer_open = tokenizer.encode(f"<{worker.runner.grammar.answer_tag}>", add_special_tokens=False)
         probes, images, owners = [], [], []
         for t in trajectories:
             t.answer_logprobs = {}  # probed: empty unless the episode retrieved and answered

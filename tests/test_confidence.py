@@ -17,16 +17,27 @@ def test_probes_keep_or_drop_exactly_the_environment_tokens():
     prompt = [1, 2]
     response = [10, 11, 90, 91, 92, 12, ANSWER, 30]   # policy 10 11, retrieved 90-92, policy 12 <answer> A
     mask = [1, 1, 0, 0, 0, 1, 1, 1]
-    with_k, without_k = answer_probe_sequences(prompt, response, mask, ANSWER, GOLD)
+    with_k, without_k = answer_probe_sequences(prompt, response, mask, [ANSWER], GOLD)
     assert with_k == [1, 2, 10, 11, 90, 91, 92, 12, ANSWER, GOLD]
     assert without_k == [1, 2, 10, 11, 12, ANSWER, GOLD]
 
 
 def test_no_probe_without_retrieval_or_without_an_answer():
-    assert answer_probe_sequences([1], [10, ANSWER, 30], [1, 1, 1], ANSWER, GOLD) is None  # nothing retrieved
-    assert answer_probe_sequences([1], [10, 90, 11], [1, 0, 1], ANSWER, GOLD) is None       # never answered
+    assert answer_probe_sequences([1], [10, ANSWER, 30], [1, 1, 1], [ANSWER], GOLD) is None  # nothing retrieved
+    assert answer_probe_sequences([1], [10, 90, 11], [1, 0, 1], [ANSWER], GOLD) is None       # never answered
     # an <answer> token inside retrieved text is not the policy's
-    assert answer_probe_sequences([1], [10, ANSWER, 11], [1, 0, 1], ANSWER, GOLD) is None
+    assert answer_probe_sequences([1], [10, ANSWER, 11], [1, 0, 1], [ANSWER], GOLD) is None
+
+
+def test_a_tag_of_several_tokens_is_found_where_the_policy_wrote_it_last():
+    """A real tokenizer spells `<answer>` as '<', 'answer', '>' (SmolLM2): the probe goes after the last one."""
+    tag = [5, 6, 7]
+    response = [5, 6, 7, 30, 90, 91, 12, 5, 6, 7, 31]   # an early <answer>, retrieved 90-91, then <answer> again
+    mask = [1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]
+    with_k, without_k = answer_probe_sequences([1], response, mask, tag, GOLD)
+    assert with_k == [1, 5, 6, 7, 30, 90, 91, 12, 5, 6, 7, GOLD]
+    assert without_k == [1, 5, 6, 7, 30, 12, 5, 6, 7, GOLD]
+    assert answer_probe_sequences([1], [10, 5, 6, 11], [1, 0, 1, 1], tag, GOLD) is None  # no whole tag
 
 
 def traj(answer_logprobs):
