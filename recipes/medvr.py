@@ -111,6 +111,9 @@ class EVRBranching(RolloutHook):
     def extend(self, worker, batch: RolloutBatch) -> tuple[list[Episode], dict[str, float]]:
         g, tokenizer, vision = worker.runner.grammar, worker.tokenizer, worker.vision
         open_id, close_id = (tokenizer.convert_tokens_to_ids(t) for t in (f"<{g.action_tag}>", g.action_close))
+        if tokenizer.unk_token_id in (open_id, close_id) or None in (open_id, close_id):
+            raise ValueError(f"medvr: EVR finds tool calls by their tags, but this tokenizer has no single token for "
+                             f"<{g.action_tag}> or {g.action_close} (rollout.grammar.action_tag)")
         budget = batch.group_size - self.base_samples(batch.group_size)
         extra, forks = [], 0
         for i, group in enumerate(batch.groups):

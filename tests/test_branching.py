@@ -72,6 +72,21 @@ def test_the_medvr_recipe_branches_unless_its_config_turns_evr_off():
     assert load_recipe(off.recipe).rollout_hooks(off) == []
 
 
+def test_evr_refuses_action_tags_the_tokenizer_spells_in_several_tokens(tiny_model_path):
+    """EVR finds tool calls by their tag tokens: a tag that is not one token would silently never fork."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    cfg = load_config("configs/medvr.yaml")
+    [hook] = load_recipe(cfg.recipe).rollout_hooks(cfg)
+    grammar = cfg.rollout.grammar.model_copy(update={"action_tag": "zoomx"})
+    worker = SimpleNamespace(runner=SimpleNamespace(grammar=grammar), vision=None,
+                             tokenizer=AutoTokenizer.from_pretrained(tiny_model_path))
+    with pytest.raises(ValueError, match="no single token for <zoomx>"):
+        hook.extend(worker, SimpleNamespace(group_size=4, groups=[], seed=0))
+
+
 @pytest.mark.slow
 def test_evr_forks_inside_tool_arguments_on_a_real_rollout_worker(ray_session):
     """A RolloutWorker with the tiny Qwen2.5-VL and a zoom-in tool actor; the policy is constrained (structured
