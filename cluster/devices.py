@@ -1,6 +1,7 @@
 """Device and thread choices made from what the process actually has, never assuming CUDA."""
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 from pathlib import Path
@@ -33,14 +34,23 @@ def allocator_env() -> dict[str, str]:
 
     glibc hands every freed block above its mmap threshold (32 MB at most) back to the kernel, and jemalloc with its
     default decay purges them too, so each micro-batch's logits and activations are page-faulted in again, zeroed
-    by the kernel. With purging off (`dirty_decay_ms:-1`) freed pages are reused; the process keeps its peak
-    resident size. Set it before the process starts (an actor's runtime_env): the path is this machine's Ray, which
-    a cluster's nodes share when they run one image."""
+    by the kernel. With purging off (`dirty_decay_ms:-1`) freed pages are reused, and the process returns them when
+    it calls :func:`release_freed_memory` (left alone, its resident size kept growing). Set it before the process
+    starts (an actor's runtime_env): the path is this machine's Ray, which a cluster's nodes share when they run one
+    image."""
     import ray
     lib = Path(ray.__file__).parent / "core" / "libjemalloc.so"
     if sys.platform != "linux" or not lib.is_file() or os.environ.get("LD_PRELOAD"):
         return {}
     return {"LD_PRELOAD": str(lib), "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+
+
+def release_freed_memory() -> None:
+    """Return the pages jemalloc holds for reuse to the kernel (every arena), in a process started with
+    :func:`allocator_env`; a no-op under another allocator."""
+    mallctl = getattr(ctypes.CDLL(None), "mallctl", None)
+    if mallctl is not None:
+        mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))  # 4096: MALLCTL_ARENAS_ALL
 
 
 def init_deepspeed_distributed(device: str) -> None:

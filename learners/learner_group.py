@@ -12,7 +12,7 @@ import torch
 
 from actors.image_tokens import ImageTokens
 from cluster.devices import (accelerator, allocator_env, fast_bfloat16, init_deepspeed_distributed, pin_threads,
-                             resolve_compute_dtype)
+                             release_freed_memory, resolve_compute_dtype)
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import algorithm as algo
 from learners.batches import forward_logp, image_inputs, load_causal_lm, lr_lambda, pad_batch
@@ -149,6 +149,7 @@ class LearnerWorker:
         stats["optimizer_steps"] = passes * len(parts)
         stats["grad_norm"] /= stats["optimizer_steps"]  # the mean over this batch's optimizer steps
         stats["lr"] = self.engine.get_lr()[0]
+        release_freed_memory()  # the batch's activations, reused across its micro-batches, go back to the kernel
         stats["seconds"] = time.perf_counter() - start
         return stats
 

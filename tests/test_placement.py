@@ -32,8 +32,9 @@ def test_an_autoscaling_cluster_waits_for_the_bundles_and_says_for_which_roles(r
     assert left == [], "a timed-out placement releases every group it asked for"
 
 
-def test_an_actor_started_with_the_allocator_env_allocates_with_jemalloc_and_keeps_the_session_env(ray_session):
-    """Learner ranks start with allocator_env(): jemalloc must be what the process allocates with, and the session's
+def test_an_actor_started_with_the_allocator_env_keeps_freed_pages_until_released(ray_session):
+    """Learner ranks start with allocator_env(): jemalloc must be what the process allocates with, keep what a freed
+    tensor held (no page faults for the next micro-batch) until release_freed_memory() returns it, and the session's
     own worker variables (zero-copy tensors, passive OpenMP waits) must still reach it."""
     from cluster.devices import allocator_env
 
@@ -41,10 +42,27 @@ def test_an_actor_started_with_the_allocator_env_allocates_with_jemalloc_and_kee
     assert env, "Ray ships ray/core/libjemalloc.so on Linux"
 
     @ray_session.remote(num_cpus=0)
-    def process_state() -> tuple[bool, str | None]:
+    def process_state() -> tuple:
         import os
-        with open("/proc/self/maps") as fh:
-            return "libjemalloc" in fh.read(), os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS")
 
-    assert ray_session.get(process_state.options(runtime_env={"env_vars": env}).remote()) == (True, "1")
+        import torch
+
+        from cluster.devices import release_freed_memory
+
+        def resident_gb() -> float:
+            with open("/proc/self/statm") as fh:
+                return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+        with open("/proc/self/maps") as fh:
+            jemalloc = "libjemalloc" in fh.read()
+        before = resident_gb()
+        block = torch.ones(2**28 // 4)  # 256 MiB
+        del block
+        kept = resident_gb() - before
+        release_freed_memory()
+        return jemalloc, os.environ.get("RAY_ENABLE_ZERO_COPY_TORCH_TENSORS"), kept, resident_gb() - before
+
+    jemalloc, zero_copy, kept, after_release = ray_session.get(
+        process_state.options(runtime_env={"env_vars": env}).remote())
+    assert (jemalloc, zero_copy) == (True, "1")
+    assert kept > 0.2 and after_release < 0.05
     assert ray_session.get(process_state.remote())[0] is False  # other actors keep glibc's allocator
