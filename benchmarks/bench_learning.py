@@ -72,16 +72,17 @@ RWR_REAL = ("rewards.components=[{name: tag_format, args: {tags: [answer]}}, {na
             "{name: accuracy}, {name: query_semantic_text, weight: 0.4}, {name: confidence_gain, weight: 1.0}]")
 
 
-def demonstrations(runs: Path, kind: str, args, data: str = "hpo:mcq_train") -> Path:
+def demonstrations(runs: Path, kind: str, args, data: str = "hpo:mcq_train", overrides: tuple = ()) -> Path:
     """Expert demonstrations for a training split (by default the multiple-choice one): with retrieval (the
-    quickstart's grammar) or direct."""
+    quickstart's grammar, or the setting `kind` names with its `overrides`) or direct."""
     from learners.config import load_config
     from learners.expert import write_demonstrations
     split = "" if data == "hpo:mcq_train" else f"{data.split(':')[-1]}_"
     out = runs / f"demos_{kind}_{split}{args.answer_with}.jsonl"
     if not out.exists():
         config, common, *_ = MODELS[args.model]
-        cfg = load_config(ROOT / config, common + args.overrides + (SINGLE_TURN if kind == "direct" else []))
+        cfg = load_config(ROOT / config, common + args.overrides + (SINGLE_TURN if kind == "direct" else [])
+                          + list(overrides))
         print(write_demonstrations(cfg, data, out, args.demo_limit, answer_with=args.answer_with))
     return out
 
@@ -182,20 +183,20 @@ def real_retrieval_settings(args, seed: int) -> dict[str, tuple[Path, list[str],
     rwr = [f"model.path={cold_start_weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
            "stages=[{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]" % (grpo.steps, grpo.set["learner.lr"]),
            RWR_REAL, "recipe=med_rwr"]
-    # five passages, each cut to its first ~50 tokens (the name line, then phenotypes by frequency), fit the
-    # observation; whole, one fills it
-    passages = ["retrieval.show=passages", "retrieval.link_options=false", "retrieval.passage_chars=200",
-                "retrieval.search.top_k=5", "rollout.grammar.top_k=5", "rollout.grammar.max_observation_tokens=320",
-                "rollout.grammar.max_response_tokens=480"]
     return {"retrieval": (shipped, [both], ("sft_only", "grpo_retrieval")),
             "no_retrieval": (shipped.with_name(shipped.name + "_no_retrieval"), [both, *SINGLE_TURN],
                              ("sft_direct", "grpo_no_retrieval")),
             "rwr": (shipped.with_name(shipped.name + "_rwr"), rwr, (None, "grpo_retrieval_rwr")),
-            "passages": (shipped.with_name(shipped.name + "_passages"), [both, *passages],
+            "passages": (shipped.with_name(shipped.name + "_passages"), [both, *PASSAGES],
                          ("passages_sft", "passages_grpo"))}
 
 
 REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages")
+# The passages setting: five passages, each cut to its first ~50 tokens (the name line, then phenotypes by frequency),
+# fit the observation; whole, one fills it.
+PASSAGES = ["retrieval.show=passages", "retrieval.link_options=false", "retrieval.passage_chars=200",
+            "retrieval.search.top_k=5", "rollout.grammar.top_k=5", "rollout.grammar.max_observation_tokens=320",
+            "rollout.grammar.max_response_tokens=480"]
 
 
 def real_retrieval_suite(args) -> list[dict]:
@@ -203,9 +204,10 @@ def real_retrieval_suite(args) -> list[dict]:
     evaluated after its cold start too (sft_only, grpo_retrieval; the quickstart suite's run of that seed); the same
     run with retrieval off, cold start on direct demonstrations (sft_direct, grpo_no_retrieval); the quickstart's GRPO
     stage from that cold start's checkpoint with Med-RwR's rewards added (grpo_retrieval_rwr); and the policy reading
-    passages, five a search cut to 200 characters each, no option links (passages_sft, passages_grpo)."""
+    passages, five a search cut to 200 characters each, no option links, answering with the option's text
+    (passages_sft, passages_grpo)."""
     from learners.config import load_config
-    cold_steps = load_config(ROOT / QUICKSTART).stage_plan()[0].steps
+    cold, grpo = load_config(ROOT / QUICKSTART).stage_plan()
     rows = []
     for seed in args.seeds:
         for name, (out, extra, (after_sft, after_grpo)) in real_retrieval_settings(args, seed).items():
@@ -214,10 +216,15 @@ def real_retrieval_suite(args) -> list[dict]:
             if name == "rwr" and not (runs_dir(args) / f"quickstart_seed{seed}" / "eval.json").exists():
                 raise SystemExit(f"the rwr setting starts from the retrieval setting's cold start: run --arms "
                                  f"retrieval --seeds {seed} first")
+            if name == "passages":  # its cold start answers with the option's text, copied from the hit it names
+                demos = demonstrations(runs_dir(args), "passages", args, overrides=tuple(PASSAGES))
+                extra = [*extra, "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: %d}}, "
+                         "{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]"
+                         % (cold.steps, demos, MODELS["real"][2], grpo.steps, grpo.set["learner.lr"])]
             for row in quickstart_rows(out, seed, [*extra, *args.overrides]):
                 if row["step"] == 0 and name != "retrieval":  # the base model is measured once per seed
                     continue
-                arm = "base" if row["step"] == 0 else after_sft if after_sft and row["step"] == cold_steps \
+                arm = "base" if row["step"] == 0 else after_sft if after_sft and row["step"] == cold.steps \
                     else after_grpo
                 rows.append({"arm": arm, **row})
     return rows
