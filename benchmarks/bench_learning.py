@@ -181,7 +181,8 @@ def real_retrieval_settings(args, seed: int) -> dict[str, tuple[Path, list[str],
     shipped, both = runs_dir(args) / f"quickstart_seed{seed}", f"eval.every={cold.steps}"
     cold_start_weights = shipped / "checkpoints" / f"step_{cold.steps}"
     rwr = [f"model.path={cold_start_weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
-           "stages=[{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]" % (grpo.steps, grpo.set["learner.lr"]),
+           "stages=[{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]"
+           % (grpo.steps, grpo.set["learner.lr"]),
            RWR_REAL, "recipe=med_rwr"]
     return {"retrieval": (shipped, [both], ("sft_only", "grpo_retrieval")),
             "no_retrieval": (shipped.with_name(shipped.name + "_no_retrieval"), [both, *SINGLE_TURN],

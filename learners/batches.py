@@ -75,9 +75,10 @@ def pad_batch(trajs: list[Trajectory], pad_id: int, vision: ImageTokens | None =
 def forward_logp(module, batch: dict, with_entropy: bool, temperature: float,
                  compute_dtype: torch.dtype | None = None):
     """Logprobs of a `pad_batch`'s targets, [B, L-1-F], and `with_entropy` their entropies where `mask` counts them
-    (0 elsewhere). The LM head, log-softmax and entropy run on the `keep` positions that predict response tokens only: with prompts much longer than responses (retrieval,
-    images) that is most of a tiny model's learner time, as TRL's `logits_to_keep` also found. `compute_dtype`:
-    the model's matmuls under autocast in that dtype; log-softmax and entropy stay in float32."""
+    (0 elsewhere). The LM head, log-softmax and entropy run on the `keep` positions that predict response tokens
+    only: with prompts much longer than responses (retrieval, images) that is most of a tiny model's learner time, as
+    TRL's `logits_to_keep` also found. `compute_dtype`: the model's matmuls under autocast in that dtype; log-softmax
+    and entropy stay in float32."""
     keep = int(batch["keep"])
     with autocast(batch["input_ids"].device.type, compute_dtype):
         logits = module(**model_inputs(batch), logits_to_keep=keep).logits[:, :-1].float()

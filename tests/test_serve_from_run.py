@@ -26,7 +26,8 @@ def test_option_listing_round_trips_through_a_question():
     assert parse_option_listing("A. lonely line") == {} and parse_option_listing("no options") == {}
 
 
-@pytest.mark.parametrize("show,link,chars", [("titles", True, None), ("passages", False, None), ("passages", False, 16)])
+@pytest.mark.parametrize("show,link,chars",
+                         [("titles", True, None), ("passages", False, None), ("passages", False, 16)])
 def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_model_path, show, link, chars):
     from transformers import AutoTokenizer
 
