@@ -159,8 +159,9 @@ def retrieval_text(hits: list[dict] | None, error: str | None, *, show: str = "p
     """
     if error is not None:
         return f"retrieval failed ({error}); continue without it"
-    body = (lambda d: f": {passage(d['text'], passage_chars)}") if show == "passages" else (lambda d: "")
-    return "\n".join(hit_header(i, d, options) + body(d) for i, d in enumerate(hits)) or "no results"
+    lines = (hit_header(i, d, options) + (f": {passage(d['text'], passage_chars)}" if show == "passages" else "")
+             for i, d in enumerate(hits))
+    return "\n".join(lines) or "no results"
 
 
 def passage(text: str, chars: int | None) -> str:
