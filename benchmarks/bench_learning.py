@@ -174,16 +174,18 @@ def quickstart_suite(args) -> list[dict]:
             for row in quickstart_rows(runs_dir(args) / f"quickstart_seed{seed}", seed, args.overrides)]
 
 
-def real_retrieval_settings(args, seed: int) -> dict[str, tuple[Path, list[str], tuple]]:
-    """{setting: (run folder, overrides, (arm after the cold start, arm after GRPO))} of one seed on the real model."""
-    from learners.config import load_config
-    cold, grpo = load_config(ROOT / QUICKSTART).stage_plan()
+def grpo_stage(grpo) -> str:
+    """The quickstart's GRPO stage (its steps and learning rate) as a `stages` list item."""
+    return "{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}" % (grpo.steps, grpo.set["learner.lr"])
+
+
+def real_retrieval_settings(args, seed: int, cold, grpo) -> dict[str, tuple[Path, list[str], tuple]]:
+    """{setting: (run folder, overrides, (arm after the cold start, arm after GRPO))} of one seed on the real model,
+    given the quickstart's two stages."""
     shipped, both = runs_dir(args) / f"quickstart_seed{seed}", f"eval.every={cold.steps}"
     cold_start_weights = shipped / "checkpoints" / f"step_{cold.steps}"
     rwr = [f"model.path={cold_start_weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
-           "stages=[{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]"
-           % (grpo.steps, grpo.set["learner.lr"]),
-           RWR_REAL, "recipe=med_rwr"]
+           f"stages=[{grpo_stage(grpo)}]", RWR_REAL, "recipe=med_rwr"]
     return {"retrieval": (shipped, [both], ("sft_only", "grpo_retrieval")),
             "no_retrieval": (shipped.with_name(shipped.name + "_no_retrieval"), [both, *SINGLE_TURN],
                              ("sft_direct", "grpo_no_retrieval")),
@@ -211,7 +213,7 @@ def real_retrieval_suite(args) -> list[dict]:
     cold, grpo = load_config(ROOT / QUICKSTART).stage_plan()
     rows = []
     for seed in args.seeds:
-        for name, (out, extra, (after_sft, after_grpo)) in real_retrieval_settings(args, seed).items():
+        for name, (out, extra, (after_sft, after_grpo)) in real_retrieval_settings(args, seed, cold, grpo).items():
             if name not in (args.arms or REAL_SETTINGS):
                 continue
             if name == "rwr" and not (runs_dir(args) / f"quickstart_seed{seed}" / "eval.json").exists():
@@ -219,9 +221,9 @@ def real_retrieval_suite(args) -> list[dict]:
                                  f"retrieval --seeds {seed} first")
             if name == "passages":  # its cold start answers with the option's text, copied from the hit it names
                 demos = demonstrations(runs_dir(args), "passages", args, overrides=tuple(PASSAGES))
-                extra = [*extra, "stages=[{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: %d}}, "
-                         "{name: grpo, kind: grpo, steps: %d, set: {learner.lr: %.6e}}]"
-                         % (cold.steps, demos, MODELS["real"][2], grpo.steps, grpo.set["learner.lr"])]
+                cold_stage = "{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: %d}}" % (
+                    cold.steps, demos, MODELS["real"][2])
+                extra = [*extra, f"stages=[{cold_stage}, {grpo_stage(grpo)}]"]
             for row in quickstart_rows(out, seed, [*extra, *args.overrides]):
                 if row["step"] == 0 and name != "retrieval":  # the base model is measured once per seed
                     continue

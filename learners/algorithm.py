@@ -112,19 +112,23 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """logits / temperature in float32 (no extra copy at temperature 1)."""
+    return logits.float() / temperature if temperature != 1.0 else logits.float()
+
+
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[target] per position: [B, T, V], [B, T] -> [B, T].
 
     Dividing by the sampling temperature makes these the log-probabilities of the distribution
     the rollout engine sampled from, so rho = 1 on the first update when weights are in sync.
     """
-    logits = logits.float() / temperature if temperature != 1.0 else logits.float()
-    return torch.gather(logits.log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
+    return torch.gather(tempered(logits, temperature).log_softmax(-1), -1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) per position: [B, T, V] -> [B, T]."""
-    logp = (logits.float() / temperature if temperature != 1.0 else logits.float()).log_softmax(-1)
+    logp = tempered(logits, temperature).log_softmax(-1)
     return -(logp.exp() * logp).sum(-1)
 
 

@@ -18,13 +18,17 @@ def nci(components: dict[str, list[float]], weights: dict[str, float]) -> dict[s
     return {k: float(weights[k] * np.mean((v - v.mean()) * centred) / var) for k, v in values.items()}
 
 
+def group_rows(groups: list[int]) -> list[list[int]]:
+    """The sample indices of each prompt's group, in order of first appearance."""
+    return [[i for i, x in enumerate(groups) if x == g] for g in dict.fromkeys(groups)]
+
+
 def group_nci(components: dict[str, list[float]], weights: dict[str, float], groups: list[int]) -> dict[str, float]:
     """NCI as GRPO sees it: computed within each prompt's group (the advantage is normalised per group), then
     averaged over the groups whose total reward varies (the others give the update no signal). Sums to 1 unless no
     group varies, when every NCI is 0."""
     per_group = []
-    for g in dict.fromkeys(groups):
-        rows = [i for i, x in enumerate(groups) if x == g]
+    for rows in group_rows(groups):
         scores = nci({k: [v[i] for i in rows] for k, v in components.items()}, weights)
         if any(scores.values()):
             per_group.append(scores)
@@ -35,6 +39,6 @@ def group_spread(components: dict[str, list[float]], groups: list[int]) -> dict[
     """Each component's standard deviation within a prompt's group (population), averaged over the groups: what is
     left of it for GRPO to rank samples by. 0 when every group's samples score alike on it, as a saturated similarity
     reward does (ARMed sec. 3.3)."""
-    rows = [[i for i, x in enumerate(groups) if x == g] for g in dict.fromkeys(groups)]
+    rows = group_rows(groups)
     return {k: float(np.mean([np.std([v[i] for i in r]) for r in rows])) if rows else 0.0
             for k, v in components.items()}
