@@ -30,7 +30,7 @@ def pin_threads(threads: int) -> None:
 def allocator_env() -> dict[str, str]:
     """Environment for a process that should allocate with jemalloc (the copy Ray ships in ray/core/), keeping the
     pages it frees, for actors whose tensors are large and short-lived (learner ranks on CPU); {} where Ray ships none
-    or something is preloaded already.
+    or another allocator is preloaded already. Libraries preloaded for another reason stay preloaded after it.
 
     glibc hands every freed block above its mmap threshold (32 MB at most) back to the kernel, and jemalloc with its
     default decay purges them too, so each micro-batch's logits and activations are page-faulted in again, zeroed
@@ -40,9 +40,12 @@ def allocator_env() -> dict[str, str]:
     image."""
     import ray
     lib = Path(ray.__file__).parent / "core" / "libjemalloc.so"
-    if sys.platform != "linux" or not lib.is_file() or os.environ.get("LD_PRELOAD"):
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if sys.platform != "linux" or not lib.is_file() or "malloc" in preloaded:
         return {}
-    return {"LD_PRELOAD": str(lib), "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+    # jemalloc first: the first preloaded library that defines malloc is the one every allocation goes to
+    return {"LD_PRELOAD": ":".join(filter(None, [str(lib), preloaded])),
+            "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
 
 
 def release_freed_memory() -> None:

@@ -32,12 +32,32 @@ def test_an_autoscaling_cluster_waits_for_the_bundles_and_says_for_which_roles(r
     assert left == [], "a timed-out placement releases every group it asked for"
 
 
+def test_the_allocator_env_keeps_other_preloaded_libraries_and_defers_to_a_preloaded_allocator(monkeypatch):
+    from pathlib import Path
+
+    import ray
+
+    from cluster.devices import allocator_env
+
+    jemalloc = str(Path(ray.__file__).parent / "core" / "libjemalloc.so")
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libsandbox.so")
+    assert allocator_env()["LD_PRELOAD"] == f"{jemalloc}:/usr/lib/libsandbox.so"
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc_minimal.so.4")
+    assert allocator_env() == {}
+    monkeypatch.delenv("LD_PRELOAD")
+    assert allocator_env()["LD_PRELOAD"] == jemalloc
+
+
 def test_an_actor_started_with_the_allocator_env_keeps_freed_pages_until_released(ray_session):
     """Learner ranks start with allocator_env(): jemalloc must be what the process allocates with, keep what a freed
     tensor held (no page faults for the next micro-batch) until release_freed_memory() returns it, and the session's
     own worker variables (zero-copy tensors, passive OpenMP waits) must still reach it."""
+    import os
+
     from cluster.devices import allocator_env
 
+    if "malloc" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip(f"this test run preloads another allocator: {os.environ['LD_PRELOAD']}")
     env = allocator_env()
     assert env, "Ray ships ray/core/libjemalloc.so on Linux"
 
