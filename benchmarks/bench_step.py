@@ -1,6 +1,6 @@
 """One GRPO step of the real model on this machine: where its time goes, and what the learner's dtype does to it.
 
-    python benchmarks/bench_step.py [--steps 4] [--variants fp32 bf16 bf16_one_rank] [model.path=CHECKPOINT ...]
+    python benchmarks/bench_step.py [--steps 4] [model.path=CHECKPOINT ...] [--variants fp32 bf16 ...]
 
 The quickstart's GRPO stage alone (SmolLM2-135M-Instruct, from its base weights or from model.path, e.g. the
 quickstart's checkpoint after its cold start, which writes the grammar and searches; retrieval on, rewards as
@@ -10,9 +10,13 @@ shipped) at 8 prompts x 4 samples = 32 samples a step (dynamic sampling off: one
          multiplies bfloat16 natively (AVX512-BF16 or AMX; cluster.devices.fast_bfloat16), or on a GPU.
   bf16_one_rank  bf16 with one learner rank of 2 threads instead of two ranks of 1 (no gradient all-reduce between
          ranks sharing the same two cores)
-The engine samples in float32 in all. Means over steps 2..N (step 1 warms engines and caches); the last step also runs
-the fidelity check (engine vs learner log-probabilities after the sync), reported beside the variant's tolerance;
-startup_s is the set-up before step 1 (Ray, actors, models loaded), by phase in the JSON.
+  bf16_zero1  bf16 under ZeRO stage 1: gradients reduced once per optimizer step instead of after every micro-batch
+  bf16_engine  bf16 with the engine sampling in bfloat16 too (rollout.dtype; the learner's weights stay float32)
+  bf16_zero1_engine  both
+The engine samples in float32 unless the variant says otherwise. Means over steps 2..N (step 1 warms engines and
+caches); the last step also runs the fidelity check (engine vs learner log-probabilities after the sync), reported
+beside the variant's tolerance; startup_s is the set-up before step 1 (Ray, actors, models loaded), by phase in the
+JSON.
 Target: a 32-sample step <= 60 s with sync <= 3% of it. Writes benchmarks/results/step_real.json and prints a table.
 """
 from __future__ import annotations
@@ -28,7 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {"fp32": ["learner.compute_dtype=float32"], "bf16": ["learner.compute_dtype=bfloat16"],
-            "bf16_one_rank": ["learner.compute_dtype=bfloat16", "cluster.learner.num=1", "cluster.learner.threads=2"]}
+            "bf16_one_rank": ["learner.compute_dtype=bfloat16", "cluster.learner.num=1", "cluster.learner.threads=2"],
+            "bf16_zero1": ["learner.compute_dtype=bfloat16", "learner.zero_stage=1"],
+            "bf16_engine": ["learner.compute_dtype=bfloat16", "rollout.dtype=bfloat16"],
+            "bf16_zero1_engine": ["learner.compute_dtype=bfloat16", "learner.zero_stage=1", "rollout.dtype=bfloat16"]}
 
 
 def main() -> None:
