@@ -292,6 +292,15 @@ class RunConfig(Strict):
         """The dtype rollout (and evaluation) engines hold the policy's weights in."""
         return self.rollout.dtype or self.model.dtype
 
+    def engine_args(self) -> dict:
+        """RolloutWorker's keyword arguments this config fixes, the same for training and evaluation engines (built
+        once per run: stages cannot change them, ENGINE_KEYS)."""
+        res = self.cluster.rollout
+        return {"seed": self.seed, "threads": res.threads, "tensor_parallel_size": res.tensor_parallel_size,
+                "dtype": self.engine_dtype(), "max_model_len": self.rollout.max_model_len,
+                "kv_cache_gb": self.rollout.kv_cache_gb, "gpu_memory_utilization": self.rollout.gpu_memory_utilization,
+                "grammar": self.rollout.grammar.model_dump()}
+
     def fidelity_tolerance(self) -> float:
         """rollout.fidelity_tolerance, or by default the looser of the ones for the learner's weights (the check's
         learner side runs in them, whatever learner.compute_dtype is) and the engine's."""

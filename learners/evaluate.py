@@ -198,10 +198,7 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
     environment = start_environment(cfg, placement)
     judge_actor = start_judge(cfg, placement) if judge else None
     workers = [RolloutWorker.options(**placement.options("rollout", i, f"EvalRolloutWorker-{i}")).remote(
-        checkpoint, seed=cfg.seed, threads=cfg.cluster.rollout.threads,
-        tensor_parallel_size=cfg.cluster.rollout.tensor_parallel_size, dtype=cfg.engine_dtype(),
-        max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
-        grammar=cfg.rollout.grammar.model_dump(), environment=environment) for i in range(cfg.cluster.rollout.num)]
+        checkpoint, **cfg.engine_args(), environment=environment) for i in range(cfg.cluster.rollout.num)]
     image_retriever = None
     sampling = greedy_sampling(cfg)
     try:

@@ -173,13 +173,9 @@ class Trainer:
         return read_demonstrations(path)
 
     def _start_rollout_workers(self, model_path: str) -> list:
-        cfg, res = self.cfg, self.cfg.cluster.rollout
         return [RolloutWorker.options(**self.placement.options("rollout", i, f"RolloutWorker-{i}")).remote(
-            model_path, seed=cfg.seed, threads=res.threads, tensor_parallel_size=res.tensor_parallel_size,
-            dtype=cfg.engine_dtype(),
-            max_model_len=cfg.rollout.max_model_len, kv_cache_gb=cfg.rollout.kv_cache_gb,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization, version=self.step,
-            grammar=cfg.rollout.grammar.model_dump(), environment=self.environment) for i in range(res.num)]
+            model_path, **self.cfg.engine_args(), version=self.step, environment=self.environment)
+            for i in range(self.cfg.cluster.rollout.num)]
 
     # ---- one step, stage by stage ---------------------------------------------------------------------------
     def start_rollouts(self, step: int, refill_round: int = 0) -> StepRollouts:
