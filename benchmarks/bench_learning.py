@@ -16,7 +16,9 @@ so only retrieval can answer). On the real model (default), two quickstart runs 
 cold start and after its GRPO stage: as shipped (sft_only, grpo_retrieval) and with retrieval off, its cold start on
 think-then-answer demonstrations (sft_direct, grpo_no_retrieval); same steps, lr and rewards otherwise; and the
 quickstart's GRPO stage again from the same cold start with Med-RwR's query-semantic and confidence-gain rewards added
-(grpo_retrieval_rwr).
+(grpo_retrieval_rwr); and the policy reading passages (five a search, no option links, answers as the option's
+text) after a cold start as long as the quickstart's (passages), four times as long (passages_long), or as long but
+from the weights of the cold start on linked titles (passages_curriculum).
 On the tiny Qwen2 (--model tiny): two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
   sft_only            SFT on scripted-expert retrieval demonstrations (learners/expert.py), S steps
   sft_direct          SFT on think-then-answer demonstrations (no retrieval), S steps
@@ -191,10 +193,21 @@ def real_retrieval_settings(args, seed: int, cold, grpo) -> dict[str, tuple[Path
                              ("sft_direct", "grpo_no_retrieval")),
             "rwr": (shipped.with_name(shipped.name + "_rwr"), rwr, (None, "grpo_retrieval_rwr")),
             "passages": (shipped.with_name(shipped.name + "_passages"), [both, *PASSAGES],
-                         ("passages_sft", "passages_grpo"))}
+                         ("passages_sft", "passages_grpo")),
+            "passages_long": (shipped.with_name(shipped.name + "_passages_long"),
+                              [f"eval.every={PASSAGES_COLD_START['passages_long'] * cold.steps}", "eval.at_start=false",
+                               *PASSAGES], ("passages_long_sft", "passages_long_grpo")),
+            "passages_curriculum": (shipped.with_name(shipped.name + "_passages_curriculum"),
+                                    [both, f"model.path={cold_start_weights}", "eval.at_start=false", *PASSAGES],
+                                    ("passages_curriculum_sft", "passages_curriculum_grpo"))}
 
 
-REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages")
+REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages", "passages_long", "passages_curriculum")
+# Each passages setting's cold start, in multiples of the quickstart's: passages_long reads 4x the demonstrations;
+# passages_curriculum reads as many, from the weights the quickstart's cold start on linked titles left.
+PASSAGES_COLD_START = {"passages": 1, "passages_long": 4, "passages_curriculum": 1}
+# Settings that start from the retrieval setting's cold start (its run must be there).
+FROM_RETRIEVAL_COLD_START = ("rwr", "passages_curriculum")
 # The passages setting: five passages, each cut to its first ~50 tokens (the name line, then phenotypes by frequency),
 # fit the observation; whole, one fills it.
 PASSAGES = ["retrieval.show=passages", "retrieval.link_options=false", "retrieval.passage_chars=200",
@@ -208,7 +221,8 @@ def real_retrieval_suite(args) -> list[dict]:
     run with retrieval off, cold start on direct demonstrations (sft_direct, grpo_no_retrieval); the quickstart's GRPO
     stage from that cold start's checkpoint with Med-RwR's rewards added (grpo_retrieval_rwr); and the policy reading
     passages, five a search cut to 200 characters each, no option links, answering with the option's text
-    (passages_sft, passages_grpo)."""
+    (passages_sft, passages_grpo; passages_long_* after a cold start 4x as long; passages_curriculum_* after one
+    from the linked-titles cold start's weights)."""
     from learners.config import load_config
     cold, grpo = load_config(ROOT / QUICKSTART).stage_plan()
     rows = []
@@ -216,19 +230,21 @@ def real_retrieval_suite(args) -> list[dict]:
         for name, (out, extra, (after_sft, after_grpo)) in real_retrieval_settings(args, seed, cold, grpo).items():
             if name not in (args.arms or REAL_SETTINGS):
                 continue
-            if name == "rwr" and not (runs_dir(args) / f"quickstart_seed{seed}" / "eval.json").exists():
-                raise SystemExit(f"the rwr setting starts from the retrieval setting's cold start: run --arms "
+            if name in FROM_RETRIEVAL_COLD_START and not (runs_dir(args) / f"quickstart_seed{seed}" /
+                                                           "eval.json").exists():
+                raise SystemExit(f"the {name} setting starts from the retrieval setting's cold start: run --arms "
                                  f"retrieval --seeds {seed} first")
-            if name == "passages":  # its cold start answers with the option's text, copied from the hit it names
+            if name in PASSAGES_COLD_START:  # the cold start answers with the option's text, copied from the hit
                 demos = demonstrations(runs_dir(args), "passages", args, overrides=tuple(PASSAGES))
+                steps = PASSAGES_COLD_START[name] * cold.steps
                 cold_stage = "{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: %d}}" % (
-                    cold.steps, demos, MODELS["real"][2])
-                extra = [*extra, f"stages=[{cold_stage}, {grpo_stage(grpo)}]"]
+                    steps, demos, MODELS["real"][2])
+                extra = [*extra, f"stages=[{cold_stage}, {grpo_stage(grpo)}]", f"total_steps={steps + grpo.steps}"]
             for row in quickstart_rows(out, seed, [*extra, *args.overrides]):
                 if row["step"] == 0 and name != "retrieval":  # the base model is measured once per seed
                     continue
-                arm = "base" if row["step"] == 0 else after_sft if after_sft and row["step"] == cold.steps \
-                    else after_grpo
+                arm = "base" if row["step"] == 0 else after_sft if after_sft and row["step"] == \
+                    PASSAGES_COLD_START.get(name, 1) * cold.steps else after_grpo
                 rows.append({"arm": arm, **row})
     return rows
 
