@@ -15,12 +15,17 @@ def extract_answer(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+def option_letter(answer: str, options: dict[str, str]) -> str | None:
+    """The option an answer names by its letter: "B", "(B)", "B) Marfan syndrome", "Option b"; else None."""
+    m = re.match(rf"^\W*(?:option\s*)?([{''.join(options)}])(?:\W|$)", answer, flags=re.I)
+    return m.group(1).upper() if m else None
+
+
 def extract_option(answer: str, options: dict[str, str]) -> str | None:
-    """The option letter an answer names: "B", "(B)", "B) Marfan syndrome", "Option b", or the option's text."""
-    letters = "".join(options)
-    m = re.match(rf"^\W*(?:option\s*)?([{letters}])(?:\W|$)", answer, flags=re.I)
-    if m:
-        return m.group(1).upper()
+    """The option letter an answer names: by its letter (`option_letter`) or by the option's text."""
+    letter = option_letter(answer, options)
+    if letter:
+        return letter
     norm = _normalise(answer)
     hits = [k for k, v in options.items() if _normalise(v) == norm]
     return hits[0] if len(hits) == 1 else None

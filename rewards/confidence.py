@@ -5,7 +5,8 @@
 read at the position right after the trajectory's `<answer>` tag (tau), under the current policy: once with the
 whole episode as context (reasoning history h and retrieved knowledge k), once with every token the environment
 inserted removed (the policy's own reasoning and queries kept, the retrieved text k gone), so the difference is what
-the retrieved knowledge did to the policy's confidence in the right option.
+the retrieved knowledge did to the policy's confidence in the right option (its letter, or its text where the
+policy answers with text: log p summed over the answer's tokens).
 
 Where it is computed: by the rollout engine that sampled the episode, right after the rollout, as prompt
 log-probabilities of those two sequences (one batched prefill on weights that are, by construction, the behaviour

@@ -7,7 +7,7 @@ import pytest
 from actors.trajectory import Trajectory
 from learners.config import load_config
 from recipes import load_recipe
-from recipes.med_rwr import AnswerProbe, answer_probe_sequences
+from recipes.med_rwr import AnswerProbe, answer_probe_sequences, gold_as_written
 from rewards.confidence import confidence_gain
 
 ANSWER, GOLD = 7, 42
@@ -17,16 +17,16 @@ def test_probes_keep_or_drop_exactly_the_environment_tokens():
     prompt = [1, 2]
     response = [10, 11, 90, 91, 92, 12, ANSWER, 30]   # policy 10 11, retrieved 90-92, policy 12 <answer> A
     mask = [1, 1, 0, 0, 0, 1, 1, 1]
-    with_k, without_k = answer_probe_sequences(prompt, response, mask, [ANSWER], GOLD)
+    with_k, without_k = answer_probe_sequences(prompt, response, mask, [ANSWER], [GOLD])
     assert with_k == [1, 2, 10, 11, 90, 91, 92, 12, ANSWER, GOLD]
     assert without_k == [1, 2, 10, 11, 12, ANSWER, GOLD]
 
 
 def test_no_probe_without_retrieval_or_without_an_answer():
-    assert answer_probe_sequences([1], [10, ANSWER, 30], [1, 1, 1], [ANSWER], GOLD) is None  # nothing retrieved
-    assert answer_probe_sequences([1], [10, 90, 11], [1, 0, 1], [ANSWER], GOLD) is None       # never answered
+    assert answer_probe_sequences([1], [10, ANSWER, 30], [1, 1, 1], [ANSWER], [GOLD]) is None  # nothing retrieved
+    assert answer_probe_sequences([1], [10, 90, 11], [1, 0, 1], [ANSWER], [GOLD]) is None       # never answered
     # an <answer> token inside retrieved text is not the policy's
-    assert answer_probe_sequences([1], [10, ANSWER, 11], [1, 0, 1], [ANSWER], GOLD) is None
+    assert answer_probe_sequences([1], [10, ANSWER, 11], [1, 0, 1], [ANSWER], [GOLD]) is None
 
 
 def test_a_tag_of_several_tokens_is_found_where_the_policy_wrote_it_last():
@@ -34,10 +34,25 @@ def test_a_tag_of_several_tokens_is_found_where_the_policy_wrote_it_last():
     tag = [5, 6, 7]
     response = [5, 6, 7, 30, 90, 91, 12, 5, 6, 7, 31]   # an early <answer>, retrieved 90-91, then <answer> again
     mask = [1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1]
-    with_k, without_k = answer_probe_sequences([1], response, mask, tag, GOLD)
+    with_k, without_k = answer_probe_sequences([1], response, mask, tag, [GOLD])
     assert with_k == [1, 5, 6, 7, 30, 90, 91, 12, 5, 6, 7, GOLD]
     assert without_k == [1, 5, 6, 7, 30, 12, 5, 6, 7, GOLD]
-    assert answer_probe_sequences([1], [10, 5, 6, 11], [1, 0, 1, 1], tag, GOLD) is None  # no whole tag
+    assert answer_probe_sequences([1], [10, 5, 6, 11], [1, 0, 1, 1], tag, [GOLD]) is None  # no whole tag
+
+
+def test_a_gold_answer_of_several_tokens_is_probed_whole():
+    with_k, without_k = answer_probe_sequences([1], [10, 90, 12, ANSWER, 30], [1, 0, 1, 1, 1], [ANSWER], [42, 43])
+    assert with_k == [1, 10, 90, 12, ANSWER, 42, 43] and without_k == [1, 10, 12, ANSWER, 42, 43]
+
+
+def test_the_gold_answer_is_probed_in_the_form_the_policy_answers_in():
+    """A policy that answers with the option's text (reading passages) is probed for the gold option's text: p(letter)
+    after its `<answer>` says nothing about what it is about to write."""
+    task = {"answer": "B", "options": {"A": "Marfan syndrome", "B": "Jawad syndrome"}}
+    assert gold_as_written(task, "B") == gold_as_written(task, "Option b") == "B"
+    assert gold_as_written(task, "Marfan syndrome") == gold_as_written(task, "Ehlers-Danlos syndrome") == "Jawad syndrome"
+    assert gold_as_written(task, None) == "B"
+    assert gold_as_written({"answer": "cystic fibrosis"}, "asthma") == "cystic fibrosis"  # open-ended: as given
 
 
 def traj(answer_logprobs):
