@@ -18,7 +18,8 @@ think-then-answer demonstrations (sft_direct, grpo_no_retrieval); same steps, lr
 quickstart's GRPO stage again from the same cold start with Med-RwR's query-semantic and confidence-gain rewards added
 (grpo_retrieval_rwr); and the policy reading passages (five a search, no option links, answers as the option's
 text) after a cold start as long as the quickstart's (passages), four times as long (passages_long), or as long but
-from the weights of the cold start on linked titles (passages_curriculum).
+from the weights of the cold start on linked titles (passages_curriculum); and passages_long's GRPO stage again from
+its cold start with Med-RwR's two rewards added (passages_long_grpo_rwr).
 On the tiny Qwen2 (--model tiny): two cold starts of S SFT steps each, and R GRPO steps (at --rl-lr) from them:
   sft_only            SFT on scripted-expert retrieval demonstrations (learners/expert.py), S steps
   sft_direct          SFT on think-then-answer demonstrations (no retrieval), S steps
@@ -186,28 +187,36 @@ def real_retrieval_settings(args, seed: int, cold, grpo) -> dict[str, tuple[Path
     given the quickstart's two stages."""
     shipped, both = runs_dir(args) / f"quickstart_seed{seed}", f"eval.every={cold.steps}"
     cold_start_weights = shipped / "checkpoints" / f"step_{cold.steps}"
-    rwr = [f"model.path={cold_start_weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
-           f"stages=[{grpo_stage(grpo)}]", RWR_REAL, "recipe=med_rwr"]
+    passages_long = shipped.with_name(shipped.name + "_passages_long")
+    long_cold_start_weights = passages_long / "checkpoints" / \
+        f"step_{PASSAGES_COLD_START['passages_long'] * cold.steps}"
+
+    def rwr(weights: Path) -> list[str]:  # the quickstart's GRPO stage from `weights`, Med-RwR's rewards added
+        return [f"model.path={weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
+                f"stages=[{grpo_stage(grpo)}]", RWR_REAL, "recipe=med_rwr"]
     return {"retrieval": (shipped, [both], ("sft_only", "grpo_retrieval")),
             "no_retrieval": (shipped.with_name(shipped.name + "_no_retrieval"), [both, *SINGLE_TURN],
                              ("sft_direct", "grpo_no_retrieval")),
-            "rwr": (shipped.with_name(shipped.name + "_rwr"), rwr, (None, "grpo_retrieval_rwr")),
+            "rwr": (shipped.with_name(shipped.name + "_rwr"), rwr(cold_start_weights), (None, "grpo_retrieval_rwr")),
             "passages": (shipped.with_name(shipped.name + "_passages"), [both, *PASSAGES],
                          ("passages_sft", "passages_grpo")),
-            "passages_long": (shipped.with_name(shipped.name + "_passages_long"),
+            "passages_long": (passages_long,
                               [f"eval.every={PASSAGES_COLD_START['passages_long'] * cold.steps}", "eval.at_start=false",
                                *PASSAGES], ("passages_long_sft", "passages_long_grpo")),
             "passages_curriculum": (shipped.with_name(shipped.name + "_passages_curriculum"),
                                     [both, f"model.path={cold_start_weights}", "eval.at_start=false", *PASSAGES],
-                                    ("passages_curriculum_sft", "passages_curriculum_grpo"))}
+                                    ("passages_curriculum_sft", "passages_curriculum_grpo")),
+            "passages_rwr": (shipped.with_name(shipped.name + "_passages_rwr"),
+                             [*rwr(long_cold_start_weights), *PASSAGES], (None, "passages_long_grpo_rwr"))}
 
 
-REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages", "passages_long", "passages_curriculum")
+REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages", "passages_long", "passages_curriculum",
+                 "passages_rwr")
 # Each passages setting's cold start, in multiples of the quickstart's: passages_long reads 4x the demonstrations;
 # passages_curriculum reads as many, from the weights the quickstart's cold start on linked titles left.
 PASSAGES_COLD_START = {"passages": 1, "passages_long": 4, "passages_curriculum": 1}
-# Settings that start from the retrieval setting's cold start (its run must be there).
-FROM_RETRIEVAL_COLD_START = ("rwr", "passages_curriculum")
+# Settings that start from another setting's cold start (its run must be there).
+STARTS_FROM = {"rwr": "retrieval", "passages_curriculum": "retrieval", "passages_rwr": "passages_long"}
 # The passages setting: five passages, each cut to its first ~50 tokens (the name line, then phenotypes by frequency),
 # fit the observation; whole, one fills it.
 PASSAGES = ["retrieval.show=passages", "retrieval.link_options=false", "retrieval.passage_chars=200",
@@ -222,18 +231,19 @@ def real_retrieval_suite(args) -> list[dict]:
     stage from that cold start's checkpoint with Med-RwR's rewards added (grpo_retrieval_rwr); and the policy reading
     passages, five a search cut to 200 characters each, no option links, answering with the option's text
     (passages_sft, passages_grpo; passages_long_* after a cold start 4x as long; passages_curriculum_* after one
-    from the linked-titles cold start's weights)."""
+    from the linked-titles cold start's weights; passages_long_grpo_rwr: passages_long's GRPO stage with Med-RwR's
+    rewards added)."""
     from learners.config import load_config
     cold, grpo = load_config(ROOT / QUICKSTART).stage_plan()
     rows = []
     for seed in args.seeds:
-        for name, (out, extra, (after_sft, after_grpo)) in real_retrieval_settings(args, seed, cold, grpo).items():
+        settings = real_retrieval_settings(args, seed, cold, grpo)
+        for name, (out, extra, (after_sft, after_grpo)) in settings.items():
             if name not in (args.arms or REAL_SETTINGS):
                 continue
-            if name in FROM_RETRIEVAL_COLD_START and not (runs_dir(args) / f"quickstart_seed{seed}" /
-                                                           "eval.json").exists():
-                raise SystemExit(f"the {name} setting starts from the retrieval setting's cold start: run --arms "
-                                 f"retrieval --seeds {seed} first")
+            if name in STARTS_FROM and not (settings[STARTS_FROM[name]][0] / "eval.json").exists():
+                raise SystemExit(f"the {name} setting starts from the {STARTS_FROM[name]} setting's cold start: run "
+                                 f"--arms {STARTS_FROM[name]} --seeds {seed} first")
             if name in PASSAGES_COLD_START:  # the cold start answers with the option's text, copied from the hit
                 demos = demonstrations(runs_dir(args), "passages", args, overrides=tuple(PASSAGES))
                 steps = PASSAGES_COLD_START[name] * cold.steps
