@@ -50,7 +50,8 @@ def test_the_gold_answer_is_probed_in_the_form_the_policy_answers_in():
     after its `<answer>` says nothing about what it is about to write."""
     task = {"answer": "B", "options": {"A": "Marfan syndrome", "B": "Jawad syndrome"}}
     assert gold_as_written(task, "B") == gold_as_written(task, "Option b") == "B"
-    assert gold_as_written(task, "Marfan syndrome") == gold_as_written(task, "Ehlers-Danlos syndrome") == "Jawad syndrome"
+    assert gold_as_written(task, "Marfan syndrome") == "Jawad syndrome"  # a wrong option's text
+    assert gold_as_written(task, "Ehlers-Danlos syndrome") == "Jawad syndrome"  # no option's text
     assert gold_as_written(task, None) == "B"
     assert gold_as_written({"answer": "cystic fibrosis"}, "asthma") == "cystic fibrosis"  # open-ended: as given
 
