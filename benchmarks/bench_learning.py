@@ -187,9 +187,9 @@ def real_retrieval_settings(args, seed: int, cold, grpo) -> dict[str, tuple[Path
     given the quickstart's two stages."""
     shipped, both = runs_dir(args) / f"quickstart_seed{seed}", f"eval.every={cold.steps}"
     cold_start_weights = shipped / "checkpoints" / f"step_{cold.steps}"
-    passages_long = shipped.with_name(shipped.name + "_passages_long")
-    long_cold_start_weights = passages_long / "checkpoints" / \
-        f"step_{PASSAGES_COLD_START['passages_long'] * cold.steps}"
+    passages_long, long_steps = shipped.with_name(shipped.name + "_passages_long"), \
+        PASSAGES_COLD_START["passages_long"] * cold.steps
+    long_cold_start_weights = passages_long / "checkpoints" / f"step_{long_steps}"
 
     def rwr(weights: Path) -> list[str]:  # the quickstart's GRPO stage from `weights`, Med-RwR's rewards added
         return [f"model.path={weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
@@ -201,8 +201,8 @@ def real_retrieval_settings(args, seed: int, cold, grpo) -> dict[str, tuple[Path
             "passages": (shipped.with_name(shipped.name + "_passages"), [both, *PASSAGES],
                          ("passages_sft", "passages_grpo")),
             "passages_long": (passages_long,
-                              [f"eval.every={PASSAGES_COLD_START['passages_long'] * cold.steps}", "eval.at_start=false",
-                               *PASSAGES], ("passages_long_sft", "passages_long_grpo")),
+                              [f"eval.every={long_steps}", "eval.at_start=false", *PASSAGES],
+                              ("passages_long_sft", "passages_long_grpo")),
             "passages_curriculum": (shipped.with_name(shipped.name + "_passages_curriculum"),
                                     [both, f"model.path={cold_start_weights}", "eval.at_start=false", *PASSAGES],
                                     ("passages_curriculum_sft", "passages_curriculum_grpo")),
@@ -244,17 +244,18 @@ def real_retrieval_suite(args) -> list[dict]:
             if name in STARTS_FROM and not (settings[STARTS_FROM[name]][0] / "eval.json").exists():
                 raise SystemExit(f"the {name} setting starts from the {STARTS_FROM[name]} setting's cold start: run "
                                  f"--arms {STARTS_FROM[name]} --seeds {seed} first")
+            sft_steps = PASSAGES_COLD_START.get(name, 1) * cold.steps  # where the row after the cold start is
             if name in PASSAGES_COLD_START:  # the cold start answers with the option's text, copied from the hit
                 demos = demonstrations(runs_dir(args), "passages", args, overrides=tuple(PASSAGES))
-                steps = PASSAGES_COLD_START[name] * cold.steps
                 cold_stage = "{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: %d}}" % (
-                    steps, demos, MODELS["real"][2])
-                extra = [*extra, f"stages=[{cold_stage}, {grpo_stage(grpo)}]", f"total_steps={steps + grpo.steps}"]
+                    sft_steps, demos, MODELS["real"][2])
+                extra = [*extra, f"stages=[{cold_stage}, {grpo_stage(grpo)}]",
+                         f"total_steps={sft_steps + grpo.steps}"]
             for row in quickstart_rows(out, seed, [*extra, *args.overrides]):
                 if row["step"] == 0 and name != "retrieval":  # the base model is measured once per seed
                     continue
-                arm = "base" if row["step"] == 0 else after_sft if after_sft and row["step"] == \
-                    PASSAGES_COLD_START.get(name, 1) * cold.steps else after_grpo
+                arm = "base" if row["step"] == 0 else after_sft if after_sft and row["step"] == sft_steps \
+                    else after_grpo
                 rows.append({"arm": arm, **row})
     return rows
 
