@@ -76,9 +76,10 @@ def free_ports(n: int) -> list[int]:
 
 
 def cluster_processes(temp_dir: str) -> list[psutil.Process]:
-    """Every process of the cluster whose files live in `temp_dir` (its daemons name it on their command line) and
-    their descendants (workers, job drivers) -- so the test stops its own cluster and nobody else's (`ray stop`
-    would stop every Ray on the machine)."""
+    """Every live process of the cluster whose files live in `temp_dir` (its daemons name it on their command line)
+    and their descendants (workers, job drivers) -- so the test stops its own cluster and nobody else's (`ray stop`
+    would stop every Ray on the machine). A zombie has exited and holds nothing; reaping it is its parent's (often
+    the machine's init), so it does not count."""
     roots = []
     for proc in psutil.process_iter(["cmdline"]):
         if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
@@ -89,7 +90,14 @@ def cluster_processes(temp_dir: str) -> list[psutil.Process]:
             found.update({c.pid: c for c in proc.children(recursive=True)})
         except psutil.NoSuchProcess:
             pass
-    return list(found.values())
+    return [proc for proc in found.values() if _alive(proc)]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def stop_cluster(temp_dir: str) -> None:
