@@ -186,28 +186,28 @@ def real_retrieval_settings(args, seed: int, cold, grpo) -> dict[str, tuple[Path
     """{setting: (run folder, overrides, (arm after the cold start, arm after GRPO))} of one seed on the real model,
     given the quickstart's two stages."""
     shipped, both = runs_dir(args) / f"quickstart_seed{seed}", f"eval.every={cold.steps}"
+
+    def run(setting: str) -> Path:  # a setting's run folder beside the shipped quickstart's
+        return shipped.with_name(f"{shipped.name}_{setting}")
     cold_start_weights = shipped / "checkpoints" / f"step_{cold.steps}"
-    passages_long, long_steps = shipped.with_name(shipped.name + "_passages_long"), \
-        PASSAGES_COLD_START["passages_long"] * cold.steps
-    long_cold_start_weights = passages_long / "checkpoints" / f"step_{long_steps}"
+    long_steps = cold_start_steps("passages_long", cold)
+    long_cold_start_weights = run("passages_long") / "checkpoints" / f"step_{long_steps}"
 
     def rwr(weights: Path) -> list[str]:  # the quickstart's GRPO stage from `weights`, Med-RwR's rewards added
         return [f"model.path={weights}", "eval.at_start=false", f"total_steps={grpo.steps}",
                 f"stages=[{grpo_stage(grpo)}]", RWR_REAL, "recipe=med_rwr"]
     return {"retrieval": (shipped, [both], ("sft_only", "grpo_retrieval")),
-            "no_retrieval": (shipped.with_name(shipped.name + "_no_retrieval"), [both, *SINGLE_TURN],
-                             ("sft_direct", "grpo_no_retrieval")),
-            "rwr": (shipped.with_name(shipped.name + "_rwr"), rwr(cold_start_weights), (None, "grpo_retrieval_rwr")),
-            "passages": (shipped.with_name(shipped.name + "_passages"), [both, *PASSAGES],
-                         ("passages_sft", "passages_grpo")),
-            "passages_long": (passages_long,
+            "no_retrieval": (run("no_retrieval"), [both, *SINGLE_TURN], ("sft_direct", "grpo_no_retrieval")),
+            "rwr": (run("rwr"), rwr(cold_start_weights), (None, "grpo_retrieval_rwr")),
+            "passages": (run("passages"), [both, *PASSAGES], ("passages_sft", "passages_grpo")),
+            "passages_long": (run("passages_long"),
                               [f"eval.every={long_steps}", "eval.at_start=false", *PASSAGES],
                               ("passages_long_sft", "passages_long_grpo")),
-            "passages_curriculum": (shipped.with_name(shipped.name + "_passages_curriculum"),
+            "passages_curriculum": (run("passages_curriculum"),
                                     [both, f"model.path={cold_start_weights}", "eval.at_start=false", *PASSAGES],
                                     ("passages_curriculum_sft", "passages_curriculum_grpo")),
-            "passages_rwr": (shipped.with_name(shipped.name + "_passages_rwr"),
-                             [*rwr(long_cold_start_weights), *PASSAGES], (None, "passages_long_grpo_rwr"))}
+            "passages_rwr": (run("passages_rwr"), [*rwr(long_cold_start_weights), *PASSAGES],
+                             (None, "passages_long_grpo_rwr"))}
 
 
 REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages", "passages_long", "passages_curriculum",
@@ -215,6 +215,13 @@ REAL_SETTINGS = ("retrieval", "no_retrieval", "rwr", "passages", "passages_long"
 # Each passages setting's cold start, in multiples of the quickstart's: passages_long reads 4x the demonstrations;
 # passages_curriculum reads as many, from the weights the quickstart's cold start on linked titles left.
 PASSAGES_COLD_START = {"passages": 1, "passages_long": 4, "passages_curriculum": 1}
+
+
+def cold_start_steps(setting: str, cold) -> int:
+    """The SFT steps of `setting`'s cold start, given the quickstart's cold-start stage."""
+    return PASSAGES_COLD_START.get(setting, 1) * cold.steps
+
+
 # Settings that start from another setting's cold start (its run must be there).
 STARTS_FROM = {"rwr": "retrieval", "passages_curriculum": "retrieval", "passages_rwr": "passages_long"}
 # The passages setting: five passages, each cut to its first ~50 tokens (the name line, then phenotypes by frequency),
@@ -244,7 +251,7 @@ def real_retrieval_suite(args) -> list[dict]:
             if name in STARTS_FROM and not (settings[STARTS_FROM[name]][0] / "eval.json").exists():
                 raise SystemExit(f"the {name} setting starts from the {STARTS_FROM[name]} setting's cold start: run "
                                  f"--arms {STARTS_FROM[name]} --seeds {seed} first")
-            sft_steps = PASSAGES_COLD_START.get(name, 1) * cold.steps  # where the row after the cold start is
+            sft_steps = cold_start_steps(name, cold)  # where the row after the cold start is
             if name in PASSAGES_COLD_START:  # the cold start answers with the option's text, copied from the hit
                 demos = demonstrations(runs_dir(args), "passages", args, overrides=tuple(PASSAGES))
                 cold_stage = "{name: cold_start, kind: sft, steps: %d, sft: {data: %s, batch_size: %d}}" % (
