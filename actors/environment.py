@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from actors.entropy import topk_entropy
 from actors.image_tokens import ImageTokens
@@ -38,7 +38,14 @@ class Grammar(BaseModel):
     max_turns: int = Field(4, ge=0, description="environment calls per episode")
     max_response_tokens: int = Field(512, ge=1, description="policy + environment tokens after the prompt")
     max_observation_tokens: int = Field(256, ge=1)
-    top_k: int = Field(3, ge=1, description="documents per query (Med-RwR 3, Med-R3 5)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_k_moved(cls, data):
+        if isinstance(data, dict) and "top_k" in data:
+            raise ValueError("top_k is not a grammar key: documents per query are the retriever's one setting, "
+                             "retrieval.search.top_k (agent.retrieval.top_k when serving); move it there")
+        return data
 
     @property
     def action_close(self) -> str | None:
@@ -148,65 +155,6 @@ class Environment:
         return []
 
 
-def retrieval_text(hits: list[dict] | None, error: str | None, *, show: str = "passages",
-                   options: dict[str, str] | None = None, passage_chars: int | None = None) -> str:
-    """Retrieved chunks as the policy reads them, or the failure it must reason around.
-
-    show "passages": "[i] title: text" per hit, the text cut after `passage_chars` characters (at a word, marked
-    " ...") when given, so that every hit fits a short observation; "titles": "[i] title" only.
-    options (a multiple-choice question's {letter: text}): a hit whose title is an option's text is marked
-    "(option X)", i.e. the retrieved documents are linked to the candidate answers.
-    """
-    if error is not None:
-        return f"retrieval failed ({error}); continue without it"
-    lines = (hit_header(i, d, options) + (f": {passage(d['text'], passage_chars)}" if show == "passages" else "")
-             for i, d in enumerate(hits))
-    return "\n".join(lines) or "no results"
-
-
-def passage(text: str, chars: int | None) -> str:
-    """`text`, or its first `chars` characters up to the last whole word, marked " ..."."""
-    if chars is None or len(text) <= chars:
-        return text
-    return text[:chars].rsplit(" ", 1)[0] + " ..."
-
-
-def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> str:
-    """'[rank+1] title', plus '(option X)' when the title is option X's text (case and spacing ignored)."""
-    title = hit.get("title", "")
-    letters = {" ".join(text.lower().split()): letter for letter, text in (options or {}).items()}
-    letter = letters.get(" ".join(title.lower().split()))
-    return f"[{rank + 1}] {title}" + (f" (option {letter})" if letter else "")
-
-
-class RetrievalEnvironment(Environment):
-    """Queries go to a :class:`~actors.retriever.Retriever` actor (or a ShardedRetriever) in one batched call;
-    each turn records the query and the retrieved chunks (ids and text). `show`, `link_options` and `passage_chars`
-    shape the observation (:func:`retrieval_text`)."""
-    role = "retriever"
-
-    def __init__(self, retriever, top_k: int, timeout_s: float = 60.0, show: str = "passages",
-                 link_options: bool = False, passage_chars: int | None = None):
-        self.retriever, self.top_k, self.timeout_s = retriever, top_k, timeout_s
-        self.show, self.link_options, self.passage_chars = show, link_options, passage_chars
-
-    def call(self, episodes: list[Episode], actions: list[str]) -> list:
-        search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
-        ref = search(actions, self.top_k) if search else self.retriever.search.remote(actions, self.top_k)
-        return [(ref, i) for i in range(len(actions))]
-
-    def observe(self, episode: Episode, action: str, result, error: str | None) -> Observation:
-        hits = result[:self.top_k] if result is not None else None
-        record = {"query": action, "error": error,
-                  "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
-        options = episode.task.get("options") if self.link_options else None
-        return Observation(retrieval_text(hits, error, show=self.show, options=options,
-                                          passage_chars=self.passage_chars), record)
-
-    def actors(self) -> list:
-        return list(getattr(self.retriever, "actors", [self.retriever]))
-
-
 class EpisodeRunner:
     """Drives episodes to completion on `engine` (a vLLM LLMEngine), asking `environment` for an observation each
     time the policy closes the grammar's action tag. `vision`: how a multimodal policy's images become tokens
@@ -264,10 +212,8 @@ class EpisodeRunner:
             asked = g.action_tag is not None and seq.finish_reason == "stop" and seq.stop_reason == g.action_close
             if not asked:
                 ep.finish_reason = seq.finish_reason or "length"
-            elif len(ep.turns) >= g.max_turns:
-                ep.finish_reason = "turn_limit"
-            elif len(ep.response_ids) >= g.max_response_tokens:
-                ep.finish_reason = "budget"
+            elif (ended := action_end(g, ep.turns, len(ep.response_ids))) is not None:
+                ep.finish_reason = ended
             else:
                 return g.action_text(seq.text)
             return None
@@ -276,12 +222,9 @@ class EpisodeRunner:
             ep.turns.append(obs.record)
             if obs.record.get("error") is not None:
                 stats["env_errors"] += 1
-            limit = min(g.max_observation_tokens, g.max_response_tokens - len(ep.response_ids))
-            ep.extend(self.observation_ids(ep, obs, limit), [], by_policy=False)
-            if obs.done:
-                ep.finish_reason = obs.record.get("finish", "environment")
-            elif len(ep.response_ids) >= g.max_response_tokens:
-                ep.finish_reason = "budget"
+            ep.extend(self.observation_ids(ep, obs, observation_limit(g, len(ep.response_ids))), [], by_policy=False)
+            if (ended := observation_end(g, obs, len(ep.response_ids))) is not None:
+                ep.finish_reason = ended
             else:
                 submit(ep)
 
@@ -338,6 +281,32 @@ class EpisodeRunner:
         ep.images += images
         ep.image_grids += grids
         return ids
+
+
+def action_end(grammar: Grammar, turns: list[dict], response_tokens: int) -> str | None:
+    """The turn logic training and serving share, when the policy has just closed the action tag after writing
+    `response_tokens` tokens (policy and environment) with `turns` behind it: why the episode ends instead of asking
+    the environment ("turn_limit", "budget"), or None: the action goes to the environment."""
+    if len(turns) >= grammar.max_turns:
+        return "turn_limit"
+    if response_tokens >= grammar.max_response_tokens:
+        return "budget"
+    return None
+
+
+def observation_limit(grammar: Grammar, response_tokens: int) -> int:
+    """The most tokens the next observation may take: the grammar's observation cap, within the response budget."""
+    return min(grammar.max_observation_tokens, grammar.max_response_tokens - response_tokens)
+
+
+def observation_end(grammar: Grammar, observation: Observation, response_tokens: int) -> str | None:
+    """Why the episode ends once `observation` is inserted (`response_tokens` now written): the environment ended it
+    (its record's "finish", else "environment"), or the budget is spent ("budget"); None: the policy goes on."""
+    if observation.done:
+        return observation.record.get("finish", "environment")
+    if response_tokens >= grammar.max_response_tokens:
+        return "budget"
+    return None
 
 
 def observation_tokens(tokenizer, grammar: Grammar, vision: ImageTokens | None, text: str, images: list,

@@ -4,7 +4,7 @@ One actor, named by role ("JudgeActor"), serves every reward actor: rewards find
 all prompts of a batch in one call. Two backends behind one method:
 
 - "vllm": a vLLM engine in-process on a local model directory (the tiny random Qwen2 when `model_path` is None; a
-  real judge model on a cluster), with the CPU settings of `actors.rollout_worker`;
+  real judge model on a cluster), started as every medray engine is (`cluster.engine`);
 - "openai": the stock `openai` client against any OpenAI-compatible `base_url` (vLLM serve, medray's serve app,
   a hosted frontier model); the key is read from the environment variable named by `api_key_env`, never logged.
 
@@ -23,17 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from cluster.engine import ContextLength, EngineSettings, KvCacheGB, MaxNumSeqs
 from tasks.extras import require
 
 Messages = list[dict]
 
 
-class JudgeConfig(BaseModel):
-    """How the judge runs. The trainer starts one JudgeActor from this (config key `judge`)."""
-    model_config = ConfigDict(extra="forbid")
-
+class JudgeConfig(EngineSettings):
+    """How the judge runs. The trainer starts one JudgeActor from this (config key `judge`). The engine settings
+    (max_model_len, max_num_seqs, kv_cache_gb, gpu_memory_utilization) size the vllm backend's engine."""
     backend: Literal["vllm", "openai"] = "vllm"
     model_path: str | None = Field(None, description="vllm: local HF model directory; null: the tiny model")
     base_url: str | None = Field(None, description="openai: the endpoint, e.g. http://127.0.0.1:8000/v1")
@@ -46,11 +46,14 @@ class JudgeConfig(BaseModel):
     seed: int = 0
     concurrency: int = Field(8, ge=1, description="openai: requests in flight at once")
     timeout_s: float = Field(60.0, gt=0, description="openai: per request (the client retries transport errors)")
-    max_model_len: int = Field(2048, ge=64, description="vllm: context length; longer prompts are cut in the middle")
-    max_num_seqs: int = Field(64, ge=1, description="vllm: sequences decoded together")
-    kv_cache_gb: float = Field(0.5, gt=0, description="vllm on CPU: KV-cache size")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
+    # The judge's engine is sized apart from a rollout worker's on purpose: a judge prompt holds the instructions and a
+    # whole trajectory (longer ones are cut in the middle), so twice the context; and it is a helper beside the
+    # rollout workers (on CPU, on the same machine), so it decodes at most 64 sequences together in half their KV cache.
+    max_model_len: ContextLength = 2048
+    max_num_seqs: MaxNumSeqs = 64
+    kv_cache_gb: KvCacheGB = 0.5
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = Field(
+        "float32", description="vllm: auto is float32 on CPU, the checkpoint's dtype on GPU")
 
     @model_validator(mode="after")
     def _backend_fields(self):
@@ -155,10 +158,9 @@ class JudgeActor:
             self._start_openai()
 
     def _start_vllm(self) -> None:
-        from cluster.devices import accelerator, engine_parallelism, pin_threads
-        pin_threads(self.threads)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from cluster.devices import accelerator
+        from cluster.engine import engine_args, prepare_engine_process
+        prepare_engine_process(self.threads)
         from vllm import LLM
 
         path = self.cfg.model_path
@@ -166,12 +168,8 @@ class JudgeActor:
             from tasks.tiny_models import TinyModelConfig
             from tasks.tiny_models import ensure_tiny_model
             path = str(ensure_tiny_model(TinyModelConfig()))
-        # The rollout worker's CPU settings: fixed KV cache, the same executors, eager, no chunked prefill.
-        memory = {"kv_cache_memory_bytes": int(self.cfg.kv_cache_gb * 2**30)} if accelerator() == "cpu" else \
-            {"gpu_memory_utilization": self.cfg.gpu_memory_utilization}
-        self.llm = LLM(model=path, dtype=self.cfg.dtype, seed=self.cfg.seed, max_model_len=self.cfg.max_model_len,
-                       max_num_seqs=self.cfg.max_num_seqs, **engine_parallelism(self.shards), enforce_eager=True,
-                       enable_prefix_caching=True, enable_chunked_prefill=False, **memory)
+        self.llm = LLM(**engine_args(path, self.cfg, device=accelerator(), dtype=self.cfg.dtype, seed=self.cfg.seed,
+                                     tensor_parallel_size=self.shards))
         self.tokenizer = self.llm.get_tokenizer()
         self._generate = self._generate_vllm
 

@@ -12,7 +12,8 @@ from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 from actors.engine_weights import (begin_reload, finish_reload, join_broadcast, load_broadcast, load_weights,
                                    quiet_reload_notices)
-from cluster.devices import accelerator, engine_parallelism, pin_threads
+from cluster.devices import accelerator, step_peak_memory
+from cluster.engine import EngineSettings, engine_args, prepare_engine_process
 from cluster.weight_sync import WeightManifest, receive_buckets
 from tasks.storage import local_checkpoint
 
@@ -54,31 +55,22 @@ class RolloutWorker:
     """
 
     def __init__(self, model_path: str, *, seed: int, threads: int, tensor_parallel_size: int = 1,
-                 dtype: str = "float32",
-                 max_model_len: int = 1024, kv_cache_gb: float = 1.0, gpu_memory_utilization: float = 0.5,
-                 logprobs_mode: str = "processed_logprobs", version: int = 0, grammar: dict | None = None,
-                 environment: Environment | None = None, max_images: int = 8):
-        pin_threads(threads)
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+                 dtype: str = "float32", logprobs_mode: str = "processed_logprobs", version: int = 0,
+                 grammar: dict | None = None, environment: Environment | None = None, max_images: int = 8,
+                 **engine):
+        """`engine`: EngineSettings fields (max_model_len, kv_cache_gb, ...; RunConfig.engine_args gives the run's)."""
+        settings = EngineSettings.model_validate(engine)
+        prepare_engine_process(threads)
         from vllm import LLM
 
         model_path = local_checkpoint(model_path)  # a checkpoint on a run's storage: fetched to this node first
         self.device = accelerator()
-        # On CPU a fixed KV-cache size; vLLM's fraction-of-memory reservation fails whenever other actors hold memory.
-        memory = {"kv_cache_memory_bytes": int(kv_cache_gb * 2**30)} if self.device == "cpu" else \
-            {"gpu_memory_utilization": gpu_memory_utilization}
         # A multimodal policy (Qwen2-VL family): images per prompt (the task's and the environment's), no video.
         self.vision = ImageTokens.for_model(model_path)
-        if self.vision is not None:
-            memory["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
-        # load_format: weights only from safetensors, never unpickled from .bin/.pt files in a model directory.
-        self.llm = LLM(model=model_path, load_format="safetensors", dtype=dtype, seed=seed, max_model_len=max_model_len,
-                       **engine_parallelism(tensor_parallel_size), enforce_eager=True, enable_prefix_caching=True,
-                       logprobs_mode=logprobs_mode, **memory,
-                       # Chunked prefill rewinds per-request generators, which CPU generators cannot do
-                       # ("CPU Generator does not use offset"); per-sample seeds keep rollouts reproducible.
-                       enable_chunked_prefill=False)
+        self.llm = LLM(**engine_args(model_path, settings, device=self.device, dtype=dtype, seed=seed,
+                                     tensor_parallel_size=tensor_parallel_size,
+                                     max_images=max_images if self.vision is not None else None,
+                                     logprobs_mode=logprobs_mode))
         self.tokenizer = self.llm.get_tokenizer()
         self.llm.collective_rpc(quiet_reload_notices)
         self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}),
@@ -163,7 +155,7 @@ class RolloutWorker:
         summary = {**stats, "lengths": [len(t.response_ids) for t in trajectories],
                    "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
                    "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version,
-                   "hook_stats": hook_stats}
+                   "hook_stats": hook_stats, "peak_memory_gb": step_peak_memory()}
         return trajectories, summary
 
     def prompt_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:

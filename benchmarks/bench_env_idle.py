@@ -51,7 +51,7 @@ def main() -> None:
     import ray
 
     from actors.build_index import ensure_index
-    from actors.environment import RetrievalEnvironment
+    from actors.retrieval_env import RetrievalEnvironment
     from actors.gym import ToolsConfig, make_tool_environment
     from actors.retrieval_index import IndexConfig
     from actors.retriever import Retriever
@@ -69,7 +69,7 @@ def main() -> None:
         ensure_index("hpo", index, config=IndexConfig(kind="none"))
         retriever = Retriever.options(num_cpus=0).remote(str(index), config={"mode": "sparse"})
         grammar = {"action_tag": "query", "observation_tag": "retrieve", "max_turns": 2, "max_response_tokens": 512,
-                   "max_observation_tokens": 128, "top_k": 3}
+                   "max_observation_tokens": 128}
         rows.append(measure("retriever (HPO KB, BM25)", str(ensure_tiny_model(TinyModelConfig())),
                             RetrievalEnvironment(retriever, 3), grammar, load_tasks("hpo:mcq_train")[:args.episodes],
                             QUERY))

@@ -227,7 +227,7 @@ STARTS_FROM = {"rwr": "retrieval", "passages_curriculum": "retrieval", "passages
 # The passages setting: five passages, each cut to its first ~50 tokens (the name line, then phenotypes by frequency),
 # fit the observation; whole, one fills it.
 PASSAGES = ["retrieval.show=passages", "retrieval.link_options=false", "retrieval.passage_chars=200",
-            "retrieval.search.top_k=5", "rollout.grammar.top_k=5", "rollout.grammar.max_observation_tokens=320",
+            "retrieval.search.top_k=5", "rollout.grammar.max_observation_tokens=320",
             "rollout.grammar.max_response_tokens=480"]
 
 

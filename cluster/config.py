@@ -3,11 +3,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from cluster.schema import Strict
 
 
 class ActorResources(Strict):

@@ -56,6 +56,43 @@ def release_freed_memory() -> None:
         mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))  # 4096: MALLCTL_ARENAS_ALL
 
 
+def reset_peak_memory() -> None:
+    """Start a new peak for :func:`peak_memory_gb`: the kernel's resident high-water mark of this process
+    (/proc/self/clear_refs, Linux) and, with a GPU, torch's peak of allocated GPU memory."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:  # not Linux, or not permitted: the peak then runs from the process's start
+        pass
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_memory_gb() -> dict[str, float]:
+    """This process's peak memory since :func:`reset_peak_memory`, in GB: `rss` (resident, from VmHWM) and, with a
+    GPU, `gpu` (torch's peak allocated)."""
+    peak = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak["rss"] = int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        import resource
+        peak["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    import torch
+    if torch.cuda.is_available():
+        peak["gpu"] = torch.cuda.max_memory_allocated() / 1e9
+    return peak
+
+
+def step_peak_memory() -> dict[str, float]:
+    """For an actor called once a step: its peak since the previous call (the first: since it started), then a new
+    peak begins."""
+    peak = peak_memory_gb()
+    reset_peak_memory()
+    return peak
+
+
 def init_deepspeed_distributed(device: str) -> None:
     """Join the learner group's process group: NCCL on GPU, gloo on CPU (DeepSpeed's own comm layer)."""
     import deepspeed

@@ -103,6 +103,38 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
     return loss, (clipped < unclipped).to(logp.dtype)
 
 
+def rollout_correction(learner_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, kind: str,
+                       cap: float) -> tuple[torch.Tensor | None, dict]:
+    """Importance weights for the gap between the engine that sampled the tokens and the learner's policy with the
+    same weights (different kernels, dtypes), and that gap's statistics.
+
+        rho = exp(learner_logp - engine_logp)                  per token, both under the behaviour weights
+        tis: w = min(rho, C)     truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you
+                                 off-policy RL training"; Espeholt et al. 2018's truncation)
+        mis: w = rho if rho <= C else 0                        masked IS: tokens the engine sampled far too
+                                                               rarely are left out (TRL's token mask, ICEPOP)
+        none: no weights (the PPO ratio is then taken against the engine's log-probabilities)
+
+    The weights multiply the surrogate's per-token loss, with the PPO ratio taken against `learner_logp`. Returns
+    (weights [B, T] or None, sums over the mask: `mismatch_k3_sum` (k3 of KL(engine || learner), samples from the
+    engine), `mismatch_tokens`, `mismatch_max_ratio` (largest rho) and `mismatch_corrected_sum` (tokens capped or
+    masked)).
+    """
+    if kind not in ("none", "tis", "mis"):
+        raise ValueError(f"unknown rollout correction {kind!r}; use none, tis or mis")
+    with torch.no_grad():
+        log_rho = learner_logp - engine_logp
+        rho = torch.exp(log_rho)
+        counted = mask.bool()
+        stats = {"mismatch_k3_sum": ((rho - 1 - log_rho) * mask).sum().item(), "mismatch_tokens": mask.sum().item(),
+                 "mismatch_max_ratio": rho[counted].max().item() if counted.any() else 1.0,
+                 "mismatch_corrected_sum": ((rho > cap) & counted).sum().item() if kind != "none" else 0.0}
+        if kind == "none":
+            return None, stats
+        weights = rho.clamp(max=cap) if kind == "tis" else torch.where(rho <= cap, rho, torch.zeros_like(rho))
+    return weights, stats
+
+
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Per-token k3 estimator of KL(pi_theta || pi_ref) (Schulman 2020, used by GRPO).
 
@@ -135,15 +167,18 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
               *, eps_low: float, eps_high: float, loss_agg: str, ref_logp: torch.Tensor | None = None,
               kl_beta: float = 0.0, global_denominator: float | None = None,
-              norm_length: int | None = None) -> tuple[torch.Tensor, dict]:
+              norm_length: int | None = None, is_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """The GRPO objective for one micro-batch: clipped surrogate + beta * k3 KL, masked and aggregated.
 
-        L = agg( l_clip + beta * k3 )     with agg = token_mean (DAPO), seq_mean (GRPO) or token_sum_norm (Dr.GRPO)
+        L = agg( w * l_clip + beta * k3 )   with agg = token_mean (DAPO), seq_mean (GRPO) or token_sum_norm (Dr.GRPO)
 
+    `is_weights` w: the rollout correction's per-token weights (:func:`rollout_correction`), 1 when None.
     Returns the scalar loss and detached per-micro-batch statistics (sums, so callers can combine
     micro-batches exactly: divide by `mask_sum`).
     """
     per_token, clipped = clipped_surrogate(logp, old_logp, advantages, eps_low, eps_high)
+    if is_weights is not None:
+        per_token = per_token * is_weights
     stats = {"mask_sum": mask.sum().item(), "clip_sum": (clipped * mask).sum().item(), "kl_sum": 0.0}
     if ref_logp is not None and kl_beta > 0:
         kl = k3_kl(logp, ref_logp)

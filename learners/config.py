@@ -1,15 +1,14 @@
 """The run configuration: YAML validated into typed objects, with `dotted.key=value` overrides.
 
-Every error names the file, the line (when the key is in the file) and the dotted field.
+Every error names the file, the line (when the key is in the file) and the dotted field; reading the YAML (with
+`extends:`) and the overrides is learners/config_loader.py.
 """
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from actors.environment import Grammar
 from actors.gym import ToolsConfig
@@ -17,16 +16,18 @@ from actors.judge import JudgeConfig
 from actors.retrieval_index import IndexConfig
 from actors.retriever import RetrievalConfig
 from cluster.config import ClusterConfig
+from cluster.engine import EngineSettings
+from cluster.schema import Strict
+from learners.budgets import check_budgets
+# ConfigError and parse_override are re-exported: importers take them from here
+from learners.config_loader import ConfigError, apply_overrides, parse_override, read_config  # noqa: F401
 from recipes import RecipeSpec, load_recipe
 from tasks.tiny_models import ModelConfig
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
 class DataConfig(Strict):
-    train: str = Field(..., description="JSONL of task records, or 'hpo:<split>' for the built-in HPO tasks")
+    train: str | list[str] = Field(..., description="JSONL of task records, 'hpo:<split>' for the built-in HPO "
+                                   "tasks, 'phenopackets:<path>#<split>' for real cases, or a list of these (mixed)")
     shuffle: bool = True
     max_prompt_tokens: int = Field(256, ge=8)
 
@@ -38,16 +39,15 @@ class DataConfig(Strict):
 FIDELITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 2.0, "float16": 2.0}
 
 
-class RolloutConfig(Strict):
+class RolloutConfig(EngineSettings):
+    """How rollouts are sampled, and the rollout workers' engines (built once per run: a stage cannot change the
+    engine's settings or dtype)."""
     prompts_per_step: int = Field(16, ge=1)
     group_size: int = Field(8, ge=1, description="G rollouts per prompt")
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int = Field(32, ge=1)
     stop: list[str] = Field(default_factory=list, description="strings that end a generation (kept in the output)")
-    kv_cache_gb: float = Field(1.0, gt=0, description="KV-cache size on CPU (on GPU: gpu_memory_utilization)")
-    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
-    max_model_len: int = 1024
     grammar: Grammar = Grammar()
     fidelity_check_every: int = Field(0, ge=0, description="every N steps compare engine and learner logprobs (0: off)")
     fidelity_tolerance: float | None = Field(None, gt=0, description="max |engine - learner| logprob after a sync; "
@@ -63,6 +63,15 @@ class RolloutConfig(Strict):
                 "stop": self.stop}
 
 
+class RolloutCorrection(Strict):
+    """Correcting for the engine and the learner computing different probabilities for the same weights
+    (learners/algorithm.py:rollout_correction): the PPO ratio is then taken against the learner's own behaviour
+    log-probabilities, and each token's loss weighted by min(rho, cap) (tis) or rho, 0 above cap (mis)."""
+    kind: Literal["none", "tis", "mis"] = Field("none", description="none: the ratio is taken against the engine's "
+                                                                     "log-probabilities, uncorrected")
+    cap: float = Field(2.0, gt=1, description="C of min(rho, C) (tis) or of the mask rho <= C (mis); > 1")
+
+
 class AlgorithmConfig(Strict):
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0, description="> eps_low is DAPO's clip-higher")
@@ -76,6 +85,7 @@ class AlgorithmConfig(Strict):
                                                       "prompts until the batch is full")
     max_extra_rounds: int = Field(3, ge=1, description="dynamic sampling: extra generation rounds per step at most; "
                                                        "a batch still short is filled with the dropped groups")
+    rollout_correction: RolloutCorrection = RolloutCorrection()
 
 
 class LearnerConfig(Strict):
@@ -88,7 +98,11 @@ class LearnerConfig(Strict):
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward on one rank")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per forward/backward on one rank (when "
+                                                        "max_tokens_per_micro_batch is null)")
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="micro-batches cut by tokens instead of sequences: each packs sequences (prompt + "
+                                "response, no padding) up to this many tokens; at least rollout.max_model_len")
     mini_batch_size: int | None = Field(None, ge=1, description="sequences (all ranks) per optimizer step of GRPO; "
                                                                  "null: one step per rollout batch")
     gradient_checkpointing: bool = False
@@ -116,6 +130,8 @@ class RetrievalSection(Strict):
                                                   "'(option X)': the documents linked to the candidate answers")
     passage_chars: int | None = Field(None, ge=1, description="show passages: each hit's text cut after this many "
                                                               "characters (the index holds it whole); null: whole")
+    paging: bool = Field(False, description="a query the episode already searched returns the next top_k hits, "
+                                            "numbered on (a search engine's next page)")
 
     @model_validator(mode="after")
     def _mode_needs_vectors(self):
@@ -145,6 +161,9 @@ class SFTConfig(Strict):
                                        "demonstrations on data.train, written on first use under output_dir/stages/; "
                                        "or a source the recipe's plugin generates (its demonstration_sources)")
     batch_size: int = Field(32, ge=1, description="demonstrations per optimizer step")
+    expert_recheck: float = Field(0.0, ge=0, le=1, description="data expert with retrieval.paging: the share of "
+                                  "demonstrations in which the expert searches its query again and reads the next "
+                                  "page before answering from the first (it shows how to page, never when it pays)")
     shuffle: bool = True
     args: dict = Field(default_factory=dict, description="settings of the recipe's demonstration source")
 
@@ -154,7 +173,7 @@ class SFTConfig(Strict):
 STAGE_SECTIONS = ("data", "rollout", "algorithm", "rewards")
 STAGE_KEYS = ("learner.lr",)
 #: Keys of those sections the rollout engines are built with, once per run.
-ENGINE_KEYS = ("rollout.dtype", "rollout.max_model_len", "rollout.kv_cache_gb", "rollout.gpu_memory_utilization")
+ENGINE_KEYS = ("rollout.dtype", *(f"rollout.{name}" for name in EngineSettings.model_fields))
 
 
 class StageConfig(Strict):
@@ -193,11 +212,14 @@ class StorageConfig(Strict):
 class EvalConfig(Strict):
     """Held-out evaluation on the run's own rollout workers (greedy, the run's grammar and environment), written under
     output_dir/eval/step_<N>/<split>/ and logged as eval/<split>/<metric>."""
-    data: list[str] = Field(..., min_length=1, description="task splits: JSONL files or <world>:<split>")
+    data: list[str] = Field(..., min_length=1, description="task splits: JSONL files, <world>:<split> or "
+                                                           "phenopackets:<path>#<split>")
     limit: int | None = Field(None, ge=1, description="the first N tasks of each split")
     every: int = Field(0, ge=0, description="evaluate every N steps (0: only at start and end)")
     at_start: bool = Field(True, description="evaluate the starting weights before the first step (the base)")
     at_end: bool = Field(True, description="evaluate the final weights; with at_start, eval.md compares the two")
+    at_stage_end: bool = Field(False, description="evaluate at the end of every stage before the last too (after a "
+                                                  "cold start): eval.md then says what the last stage added")
     batch_size: int = Field(64, ge=1, description="tasks per rollout call on one worker")
     max_turns: int | None = Field(None, ge=0, description="environment calls per episode at evaluation (e.g. 4 "
                                                           "tool calls at inference); null: the grammar's")
@@ -256,6 +278,10 @@ class RunConfig(Strict):
         if batch % ranks:
             raise ValueError(f"rollout batch {batch} (prompts_per_step x group_size) must divide over "
                              f"{ranks} learner ranks (cluster.learner.num)")
+        budget = self.learner.max_tokens_per_micro_batch
+        if budget is not None and budget < self.rollout.max_model_len:
+            raise ValueError(f"learner.max_tokens_per_micro_batch {budget} is smaller than the longest sequence a "
+                             f"rollout can make (rollout.max_model_len {self.rollout.max_model_len})")
         mini = self.learner.mini_batch_size
         if mini is not None and (batch % mini or mini % ranks):
             raise ValueError(f"learner.mini_batch_size {mini} must divide the rollout batch {batch} and split over "
@@ -270,6 +296,11 @@ class RunConfig(Strict):
             if stage.sft and stage.sft.batch_size % ranks:
                 raise ValueError(f"stage {stage.name!r}: sft.batch_size {stage.sft.batch_size} must divide over "
                                  f"{ranks} learner ranks")
+        for stage in self.stages:
+            if stage.sft and stage.sft.expert_recheck and (stage.sft.data != "expert" or self.retrieval is None
+                                                           or not self.retrieval.paging):
+                raise ValueError(f"stage {stage.name!r}: sft.expert_recheck needs sft.data expert and "
+                                 f"retrieval.paging true (the next page is what it reads)")
         recipe = load_recipe(self.recipe)
         for stage in self.stages:
             if stage.sft and stage.sft.args and stage.sft.data not in recipe.demonstration_sources:
@@ -283,6 +314,7 @@ class RunConfig(Strict):
         if self.retrieval is not None and self.cluster.retriever.num != self.retrieval.shards:
             raise ValueError(f"cluster.retriever.num ({self.cluster.retriever.num}) must equal retrieval.shards "
                              f"({self.retrieval.shards}): one Retriever actor serves one shard")
+        check_budgets(self)  # turns and tokens the environment can honour (learners/budgets.py)
         return self
 
     def dump(self) -> dict:
@@ -297,8 +329,7 @@ class RunConfig(Strict):
         once per run: stages cannot change them, ENGINE_KEYS)."""
         res = self.cluster.rollout
         return {"seed": self.seed, "threads": res.threads, "tensor_parallel_size": res.tensor_parallel_size,
-                "dtype": self.engine_dtype(), "max_model_len": self.rollout.max_model_len,
-                "kv_cache_gb": self.rollout.kv_cache_gb, "gpu_memory_utilization": self.rollout.gpu_memory_utilization,
+                "dtype": self.engine_dtype(), **self.rollout.engine_settings(),
                 "grammar": self.rollout.grammar.model_dump()}
 
     def fidelity_tolerance(self) -> float:
@@ -326,93 +357,21 @@ class RunConfig(Strict):
         return RunConfig.model_validate(raw)
 
 
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names file, line and field."""
-
-
-def _line_of(node: yaml.Node | None, path: tuple) -> int | None:
-    """The 1-based line of `path` (keys and list indices) in a composed YAML node tree."""
-    line = None
-    for key in path:
-        if isinstance(node, yaml.MappingNode):
-            match = [(k, v) for k, v in node.value if k.value == str(key)]
-            if not match:
-                break
-            line, node = match[0][0].start_mark.line + 1, match[0][1]
-        elif isinstance(node, yaml.SequenceNode) and isinstance(key, int) and key < len(node.value):
-            node = node.value[key]
-            line = node.start_mark.line + 1
-        else:
-            break
-    return line
-
-
-def parse_override(text: str) -> tuple[list[str], object]:
-    """`a.b.c=value` -> (["a", "b", "c"], value parsed as YAML, so 3 -> int, true -> bool, [1,2] -> list)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form dotted.key=value")
-    key, raw = text.split("=", 1)
-    if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw else ""
-    except yaml.YAMLError as e:
-        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from None
-    return key.split("."), value
-
-
 def load_config(path: str | os.PathLike, overrides: list[str] = ()) -> RunConfig:
-    """Read a YAML config, apply `dotted.key=value` overrides, and validate it into a `RunConfig`."""
-    path = Path(path)
+    """Read a YAML config (and the base it `extends`, learners/config_loader.py), apply `dotted.key=value` overrides,
+    and validate it into a `RunConfig`."""
+    config = read_config(path)
+    apply_overrides(config, overrides)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read config ({e})") from None
-    try:
-        root = yaml.compose(text)
-        raw = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}")
-    overridden = set()
-    for text_override in overrides:
-        keys, value = parse_override(text_override)
-        keys = [int(k) if k.isdigit() else k for k in keys]  # list items by position: rewards.components.1.weight=2
-        node = raw
-        for k in keys[:-1]:
-            if isinstance(node, list):
-                if not isinstance(k, int) or k >= len(node):
-                    raise ConfigError(f"override {text_override!r}: no item {k!r} in a list of {len(node)}")
-                node = node[k]
-            elif not isinstance(node.get(k, {}), (dict, list)):
-                raise ConfigError(f"override {text_override!r}: {k!r} is not a section")
-            else:
-                node = node.setdefault(k, {})
-        if isinstance(node, list) and not (isinstance(keys[-1], int) and keys[-1] < len(node)):
-            raise ConfigError(f"override {text_override!r}: no item {keys[-1]!r} in a list of {len(node)}")
-        node[keys[-1]] = value
-        overridden.add(tuple(keys))
-    try:
-        cfg = RunConfig.model_validate(raw)
+        cfg = RunConfig.model_validate(config.raw)
     except ValidationError as e:
-        problems = []
-        for err in e.errors():
-            loc = tuple(err["loc"])
-            where = ".".join(str(p) for p in loc) or "(top level)"
-            if any(loc[:len(o)] == o for o in overridden):
-                origin = "command-line override"
-            else:
-                line = _line_of(root, loc)
-                origin = f"line {line}" if line else "not set in file"
-            problems.append(f"  {where} ({origin}): {err['msg']}")
-        raise ConfigError(f"{path}: invalid config\n" + "\n".join(problems)) from None
+        raise config.invalid(e) from None
     for i, stage in enumerate(cfg.stages):
         try:
             cfg.for_stage(i)
         except (ValidationError, ValueError) as e:
-            line = _line_of(root, ("stages", i, "set"))
             detail = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()) \
                 if isinstance(e, ValidationError) else str(e)
-            raise ConfigError(f"{path}: stages[{i}] ({stage.name}) set (line {line}): {detail}") from None
+            raise ConfigError(f"{config.path}: stages[{i}] ({stage.name}) set "
+                              f"({config.origin(('stages', i, 'set'))}): {detail}") from None
     return cfg

@@ -17,20 +17,30 @@ def count_informative(rounds: list[tuple[list, list[float]]], group_size: int) -
     return sum(len(informative(totals, group_size)) for _, totals in rounds)
 
 
+def kept_groups(totals: list[list[float]], group_size: int, num_groups: int) -> tuple[list[tuple[int, int]], int]:
+    """The (round, group) pairs the batch keeps, in batch order, given each round's totals: informative groups round
+    by round; if the rounds ran out first, the first round's uninformative groups fill the rest (they keep the batch
+    its size and contribute A = 0). Returns (pairs, how many of them are such padding)."""
+    keep = [(r, g) for r, round_totals in enumerate(totals) for g in informative(round_totals, group_size)][:num_groups]
+    uninformative = sorted(set(range(num_groups)) - set(informative(totals[0], group_size)))
+    padding = [(0, g) for g in uninformative][:num_groups - len(keep)]
+    return keep + padding, len(padding)
+
+
+def gather(per_round: list[list], picks: list[tuple[int, int]], group_size: int) -> list:
+    """The samples of the picked (round, group) pairs, in pick order, from per-round lists of per-sample values (the
+    trajectories, their totals, a reward component: anything laid out G consecutive samples per prompt)."""
+    return [x for r, g in picks for x in per_round[r][g * group_size:(g + 1) * group_size]]
+
+
 def fill_batch(rounds: list[tuple[list, list[float]]], group_size: int,
                num_groups: int) -> tuple[list, list[float], dict]:
-    """The batch of `num_groups` groups: informative groups round by round; if the rounds ran out first, the first
-    round's uninformative groups fill the rest (they keep the batch its size and contribute A = 0).
+    """The batch of `num_groups` groups (`kept_groups`).
     Returns (trajectories, totals, {"groups_filtered": uninformative groups generated, "groups_padded": of them
     kept to fill the batch})."""
-    keep = [(r, g) for r, (_, totals) in enumerate(rounds) for g in informative(totals, group_size)][:num_groups]
-    uninformative = sorted(set(range(num_groups)) - set(informative(rounds[0][1], group_size)))
-    padding = [(0, g) for g in uninformative][:num_groups - len(keep)]
+    picks, padded = kept_groups([totals for _, totals in rounds], group_size, num_groups)
     generated = sum(len(totals) // group_size for _, totals in rounds)
-    trajs, totals = [], []
-    for r, g in keep + padding:
-        span = slice(g * group_size, (g + 1) * group_size)
-        trajs += rounds[r][0][span]
-        totals += rounds[r][1][span]
-    stats = {"groups_filtered": generated - count_informative(rounds, group_size), "groups_padded": len(padding)}
+    trajs = gather([t for t, _ in rounds], picks, group_size)
+    totals = gather([totals for _, totals in rounds], picks, group_size)
+    stats = {"groups_filtered": generated - count_informative(rounds, group_size), "groups_padded": padded}
     return trajs, totals, stats

@@ -5,11 +5,13 @@
         [--judge] [dotted.key=value ...]
 
 The config supplies the grammar (retrieval, turn limits), resources and sampling length; decoding is greedy.
-Multiple choice: accuracy with a 95% Wilson interval. Closed (yes/no) questions: exact-match `closed_accuracy`, also
-with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval, and with
-`--judge` (or `eval.judge: true`) `judge_accuracy`: the config's JudgeActor says whether each open answer is correct,
-with a Wilson interval and its parse failures counted (learners/judge_eval.py). All: format rate, response length,
-environment calls and errors per sample. Writes `eval.json`, `eval.md` and `samples.jsonl` into --out (default:
+Multiple choice: accuracy with a 95% Wilson interval. Real-case open diagnoses (`phenopackets:...#open_test`,
+`answer_type: ranked`): `accuracy` is top-1 and `top3_accuracy` top-3 of a ranked `<answer>` (up to three names),
+both with Wilson intervals, by name variant or disease id. Closed (yes/no) questions: exact-match `closed_accuracy`,
+also with a Wilson interval. Open-ended: BLEU-1, ROUGE-1, BERTScore and CosSim, each with a 95% normal interval, and
+with `--judge` (or `eval.judge: true`) `judge_accuracy`: the config's JudgeActor says whether each open answer is
+correct, with a Wilson interval and its parse failures counted (learners/judge_eval.py). All: format rate, response
+length, environment calls and errors per sample. Writes `eval.json`, `eval.md` and `samples.jsonl` into --out (default:
 <run>/eval/checkpoints/<checkpoint>/<split>/ next to the run's checkpoints/, never inside a checkpoint, which
 `checkpoint.keep_last` deletes in time).
 
@@ -38,9 +40,10 @@ from learners.intervals import mean_interval, proportion  # noqa: E402
 
 
 def score(trajectories: list, summaries: list[dict]) -> dict:
-    """Metrics of greedy episodes, one per task: accuracy (multiple choice), exact-match `closed_accuracy` (closed
-    yes/no questions, by the task's `answer_type`), text similarity (open questions), and format and tool use."""
-    from rewards.builtin import answer_correct, extract_answer
+    """Metrics of greedy episodes, one per task: accuracy (multiple choice; for ranked open diagnoses, top-1, with
+    `top3_accuracy` beside it), exact-match `closed_accuracy` (closed yes/no questions, by the task's `answer_type`),
+    text similarity (other open questions), and format and tool use."""
+    from rewards.builtin import answer_correct, answer_rank, extract_answer, is_ranked
     from rewards.text_similarity import bleu1, rouge1, score_against_gold
 
     n = len(trajectories)
@@ -50,11 +53,17 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
                "env_calls_per_sample": sum(s["env_calls"] for s in summaries) / n,
                "env_errors": sum(s["env_errors"] for s in summaries)}
     mcq = [t for t in trajectories if t.task.get("options")]
-    with_gold_doc = [t for t in mcq if (t.task.get("metadata") or {}).get("kb_doc_id")]
+    ranked = [t for t in trajectories if not t.task.get("options") and is_ranked(t.task)]
+    with_gold_doc = [t for t in mcq + ranked if (t.task.get("metadata") or {}).get("kb_doc_id")]
     if with_gold_doc and any(t.turns for t in with_gold_doc):  # the policy could retrieve the gold document
         metrics["gold_retrieved"] = mean_interval([gold_retrieved(t) for t in with_gold_doc])
+    if mcq or ranked:  # a ranked diagnosis is right at top-1: the field's Recall@1
+        metrics["accuracy"] = proportion([answer_correct(t) for t in mcq + ranked])
     if mcq:
-        metrics["accuracy"] = proportion([answer_correct(t) for t in mcq])
+        metrics.update(option_links(mcq))
+    if ranked:
+        ranks = [answer_rank(t) for t in ranked]
+        metrics["top3_accuracy"] = proportion([r is not None and r < 3 for r in ranks])
     closed = [t for t in trajectories if not t.task.get("options") and is_closed(t.task)]
     if closed:  # yes/no: the answer is right or wrong, so exact match (normalised), not text similarity
         metrics["closed_accuracy"] = proportion([answer_correct(t) for t in closed])
@@ -74,8 +83,10 @@ def is_closed(task: dict) -> bool:
 
 
 def open_questions(trajectories: list) -> list:
-    """The episodes of open questions: neither multiple choice nor closed (yes/no)."""
-    return [t for t in trajectories if not t.task.get("options") and not is_closed(t.task)]
+    """The episodes of open questions: neither multiple choice, closed (yes/no) nor a ranked diagnosis (graded by
+    name and id, not by similarity)."""
+    from rewards.builtin import is_ranked
+    return [t for t in trajectories if not t.task.get("options") and not is_closed(t.task) and not is_ranked(t.task)]
 
 
 def gold_retrieved(trajectory) -> bool:
@@ -84,9 +95,31 @@ def gold_retrieved(trajectory) -> bool:
     return any(chunk.get("doc_id") == gold for turn in trajectory.turns for chunk in turn.get("chunks", []))
 
 
+def option_links(mcq: list) -> dict:
+    """How a retrieval agent's searches linked the gold option on multiple-choice episodes `mcq`, read from each turn's
+    `linked` letters (retrieval.link_options; nothing when no turn has them): `gold_linked`, whether any search's hits
+    were marked "(option X)" for the gold X; `gold_linked_first`, whether the first search's were; and accuracy split
+    by the latter, `accuracy_first_linked` and `accuracy_first_unlinked` (an episode that never searched is unlinked;
+    a split with no episode is left out). Each a proportion with its Wilson interval and n."""
+    from rewards.builtin import answer_correct
+
+    if not any("linked" in turn for t in mcq for turn in t.turns):
+        return {}
+    gold = [[t.task["answer"].strip().upper() in turn.get("linked", []) for turn in t.turns] for t in mcq]
+    first = [bool(turns) and turns[0] for turns in gold]
+    correct = [answer_correct(t) for t in mcq]
+    split = {"accuracy_first_linked": [c for c, f in zip(correct, first) if f],
+             "accuracy_first_unlinked": [c for c, f in zip(correct, first) if not f]}
+    return {"gold_linked": proportion([any(turns) for turns in gold]), "gold_linked_first": proportion(first),
+            **{k: proportion(v) for k, v in split.items() if v}}
+
+
 def sample_record(trajectory) -> dict:
-    from rewards.builtin import answer_correct, extract_answer
-    return {"answer": extract_answer(trajectory.text), "correct": answer_correct(trajectory), "text": trajectory.text}
+    from rewards.builtin import answer_correct, answer_rank, extract_answer, is_ranked
+    record = {"answer": extract_answer(trajectory.text), "correct": answer_correct(trajectory)}
+    if is_ranked(trajectory.task):
+        record["rank"] = answer_rank(trajectory)  # 0-based place of the gold name in the ranked answer, or None
+    return {**record, "text": trajectory.text}
 
 
 def write_samples(path: Path, trajectories: list, cdir: dict | None = None, reanswers: list | None = None) -> None:
@@ -178,37 +211,29 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
     a JSONL to write each episode to (task id, gold, the response text, its answer and whether it is correct).
     `judge` (or the config's `eval.judge`): a JudgeActor from the config's `judge` section grades the open answers
     (learners/judge_eval.py)."""
-    import ray
-
-    from actors.rollout_worker import RolloutWorker
-    from learners.judge_eval import judge_open_answers
-    from learners.services import environment_roles, start_environment, start_judge, tool_demand
-    from cluster.placement import place
-    from cluster.ray_session import start_or_join
     from learners.data import load_tasks
+    from learners.fleet import Fleet
+    from learners.judge_eval import judge_open_answers
+    from learners.services import environment_roles
 
     judge = judge or bool(cfg.eval and cfg.eval.judge)
     if judge and cfg.judge is None:
         raise ValueError("judge-graded evaluation needs the config's `judge` section (judge.backend vllm with "
                          "judge.model_path, or openai with judge.base_url and judge.model)")
-    start_or_join(cfg.cluster)
-    tasks = load_tasks(data)[:limit]
-    placement = place(cfg.cluster, roles=("rollout",) + environment_roles(cfg) + (("judge",) if judge else ()),
-                      others=tool_demand(cfg))
-    environment = start_environment(cfg, placement)
-    judge_actor = start_judge(cfg, placement) if judge else None
-    workers = [RolloutWorker.options(**placement.options("rollout", i, f"EvalRolloutWorker-{i}")).remote(
-        checkpoint, **cfg.engine_args(), environment=environment) for i in range(cfg.cluster.rollout.num)]
-    image_retriever = None
-    sampling = greedy_sampling(cfg)
-    try:
+    with Fleet(cfg, ("rollout",) + environment_roles(cfg) + (("judge",) if judge else ()), judge=judge) as fleet:
+        fleet.join_ray()
+        tasks = load_tasks(data)[:limit]
+        fleet.place()
+        fleet.start_services()
+        workers = fleet.start_workers(checkpoint, name="EvalRolloutWorker")
+        sampling = greedy_sampling(cfg)
         trajectories, summaries = run_episodes(workers, text_only_view(tasks, checkpoint), sampling, cfg.seed,
                                                batch_size, eval_grammar(cfg, cfg.rollout.grammar.model_dump()))
         for traj, task in zip(trajectories, tasks):
             traj.task = task  # scoring and CDIR read the task as written, images included
         metrics, reanswers = score(trajectories, summaries), None
-        if judge_actor is not None:
-            metrics.update(judge_open_answers(open_questions(trajectories), judge_actor))
+        if fleet.judge is not None:
+            metrics.update(judge_open_answers(open_questions(trajectories), fleet.judge))
         if cdir:
             from transformers import AutoTokenizer
 
@@ -218,17 +243,13 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
 
             index_dir = image_index or str(ensure_image_index(progress=True))
             image_retriever = ImageRetriever.options(num_cpus=0, name="EvalImageRetriever-0").remote(index_dir)
+            fleet.others.append(image_retriever)
             reanswers, metrics["cdir"] = apply_cdir(
                 trajectories, workers, image_retriever, AutoTokenizer.from_pretrained(checkpoint),
                 cfg.rollout.grammar, sampling, cfg.seed, cdir_threshold, vision=ImageTokens.for_model(checkpoint))
             metrics["cdir"]["image_index"] = index_dir
         if samples is not None:
             write_samples(samples, trajectories, metrics.get("cdir"), reanswers)
-    finally:
-        for actor in workers + (environment.actors() if environment else []) + \
-                [a for a in (image_retriever, judge_actor) if a is not None]:
-            ray.kill(actor)
-        placement.remove()
     return metrics
 
 
@@ -259,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--checkpoint", required=True, help="a Hugging Face model directory")
-    parser.add_argument("--data", required=True, help="JSONL of task records or hpo:<split>")
+    parser.add_argument("--data", required=True, help="JSONL of task records, hpo:<split> or "
+                                                      "phenopackets:<path>#<split>")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--out", default=None, help="report directory (default: <run>/eval/checkpoints/<checkpoint>/"
                                                     "<split>/, outside the checkpoint)")

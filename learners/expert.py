@@ -21,6 +21,7 @@ trains on, environment segments masked from the loss. Image observations (crops)
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -65,11 +66,12 @@ def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter
 
 def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, answer_with: str = "letter",
                             show: str = "passages", link_options: bool = False,
-                            passage_chars: int | None = None) -> dict | None:
+                            passage_chars: int | None = None, next_page: list[dict] | None = None) -> dict | None:
     """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown.
-    `show`, `link_options` and `passage_chars` format the hits as the run's RetrievalEnvironment does."""
-    from actors.environment import hit_header, retrieval_text
-
+    `show`, `link_options` and `passage_chars` format the hits as the run's RetrievalEnvironment does. `next_page`:
+    the hits after them, which the expert asks for (the same query again, retrieval.paging) and reads before it
+    answers, from the first page all the same."""
+    from actors.retrieval_env import hit_header, retrieval_text
     options = task.get("options") if link_options else None
     observation = cut_observation(grammar, retrieval_text(hits, None, show=show, options=options,
                                                           passage_chars=passage_chars), tokenizer)
@@ -87,12 +89,22 @@ def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, an
                 (f": option {task['answer']}." if answer_with == "letter" else ".")
     else:
         thought = "The retrieved knowledge and the image agree."
-    action = grammar.action_tag
-    return {"task": task, "segments": [
-        {"role": "policy", "text": f"<think>What is known about these findings? Look it up.</think>\n"
-                                   f"<{action}>{expert_query(task)}</{action}>"},
-        {"role": "environment", "text": observation},
-        answer_segment(task, grammar, thought, answer_with)]}
+    action, query = grammar.action_tag, expert_query(task)
+    segments = [{"role": "policy", "text": f"<think>What is known about these findings? Look it up.</think>\n"
+                                           f"<{action}>{query}</{action}>"},
+                {"role": "environment", "text": observation}]
+    if next_page is not None:
+        segments += [{"role": "policy", "text": f"<think>Are there more results?</think>\n<{action}>{query}</{action}>"},
+                     {"role": "environment", "text": cut_observation(grammar, retrieval_text(
+                         next_page, None, show=show, options=options, passage_chars=passage_chars,
+                         first_rank=len(hits)), tokenizer)}]
+    return {"task": task, "segments": segments + [answer_segment(task, grammar, thought, answer_with)]}
+
+
+def rechecks(task: dict, rate: float) -> bool:
+    """Whether the expert asks for the next page on `task`: a fixed share `rate` of tasks, by the task's id."""
+    digest = hashlib.sha256(str(task.get("id")).encode()).digest()
+    return int.from_bytes(digest[:4], "big") < rate * 2**32
 
 
 def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | None,
@@ -132,9 +144,10 @@ def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | No
 
 
 def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, progress: bool = True,
-                         answer_with: str = "letter") -> dict:
+                         answer_with: str = "letter", recheck: float = 0.0) -> dict:
     """Demonstrations for the tasks of `data` under run config `cfg` (its grammar, environment, tokenizer);
-    multiple-choice answers as the option's letter or (`answer_with="text"`) its text."""
+    multiple-choice answers as the option's letter or (`answer_with="text"`) its text. `recheck`: the share of
+    retrieval demonstrations in which the expert reads the next page of results before it answers (`rechecks`)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -155,11 +168,14 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
     elif grammar.action_tag:
         from actors.retriever import LocalRetriever
         retriever = LocalRetriever(index_dir, config=cfg.retrieval.search)
+        k = cfg.retrieval.search.top_k
         for start in tqdm(range(0, len(tasks), 64), desc="demonstrations", disable=not progress):
             chunk = tasks[start:start + 64]
-            for task, hits in zip(chunk, retriever.search([expert_query(t) for t in chunk], grammar.top_k)):
-                demo = retrieval_demonstration(task, grammar, hits, tokenizer, answer_with, cfg.retrieval.show,
-                                               cfg.retrieval.link_options, cfg.retrieval.passage_chars)
+            for task, hits in zip(chunk, retriever.search([expert_query(t) for t in chunk], 2 * k)):
+                again = recheck and rechecks(task, recheck)
+                demo = retrieval_demonstration(task, grammar, hits[:k], tokenizer, answer_with, cfg.retrieval.show,
+                                               cfg.retrieval.link_options, cfg.retrieval.passage_chars,
+                                               next_page=hits[k:] if again else None)
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:

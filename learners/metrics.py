@@ -18,6 +18,7 @@ import numpy as np
 import yaml
 
 from learners.config import LoggingConfig
+from learners.dynamic_sampling import gather, kept_groups
 from rewards.registry import is_diagnostic
 from tasks.extras import require
 
@@ -33,7 +34,10 @@ GROUPS = {
     "weights": ("weight_version", "batch_weight_version", "version_lag", "sync_retries"),
     "progress": ("stage",),
 }
-RENAMED = {"reward_mean": "reward/mean", "reward_std": "reward/std", "accuracy": "reward/accuracy"}
+RENAMED = {"reward_mean": "reward/mean", "reward_std": "reward/std", "accuracy": "reward/accuracy",
+           # dynamic sampling: the same over the groups kept for training (the plain names: all groups sampled)
+           "reward_mean_kept": "reward/mean_kept", "reward_std_kept": "reward/std_kept",
+           "accuracy_kept": "reward/accuracy_kept"}
 GROUP_OF = {key: group for group, keys in GROUPS.items() for key in keys}
 
 
@@ -170,33 +174,73 @@ def hook_stats(summaries: list[dict]) -> dict[str, float]:
     return total
 
 
-def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,
-                 version: int) -> dict:
-    """One line of metrics.jsonl: reward and its components, lengths, learner statistics and timings."""
+def reward_metrics(scores: list[dict], suffix: str = "") -> dict:
+    """The reward columns over every sample of `scores` (reward actors' score dicts, concatenated): reward_mean,
+    reward_std, reward/<component> (a diagnostic component under its own name), reward_errors/<component>,
+    nci/<component> and spread/<component> (means over the dicts: one value per reward call), and accuracy when a
+    component is named so; each key with `suffix` appended."""
     totals = np.array([x for s in scores for x in s["total"]])
     components: dict[str, list[float]] = {}
     errors: dict[str, int] = {}
     for s in scores:
         for k, v in s["components"].items():
             components.setdefault(k, []).extend(v)
-        for k, v in s["errors"].items():
+        for k, v in s.get("errors", {}).items():
             errors[k] = errors.get(k, 0) + v
     per_group: dict[str, list[float]] = {}  # nci/<component> and spread/<component>, one value per reward shard
     for s in scores:
         for kind in ("nci", "spread"):
             for k, v in s.get(kind, {}).items():
                 per_group.setdefault(f"{kind}/{k}", []).append(v)
-    lengths = [n for s in summaries for n in s["lengths"]]
-    batch_versions = [s["version"] for s in summaries]
-    tokens = sum(lengths)
-    mask_sum = max(train["mask_sum"], 1.0)
     record = {
-        "step": step,
         "reward_mean": float(totals.mean()), "reward_std": float(totals.std()),
         **{f"reward/{k}": float(np.mean(v)) for k, v in components.items() if not is_diagnostic(k)},
         **{k: float(np.nanmean(v)) for k, v in components.items() if is_diagnostic(k) and not np.isnan(v).all()},
         **{f"reward_errors/{k}": v for k, v in errors.items()},
         **{k: float(np.mean(v)) for k, v in per_group.items()},
+    }
+    if "accuracy" in components:
+        record["accuracy"] = record["reward/accuracy"]
+    return {k + suffix: v for k, v in record.items()}
+
+
+def sample_totals(scores: list[dict]) -> list[float]:
+    """Each sample's total reward, in trajectory order, from reward actors' score dicts (one per trajectory share)."""
+    return [x for s in scores for x in s["total"]]
+
+
+def kept_scores(rounds: list[list[dict]], picks: list[tuple[int, int]], group_size: int) -> list[dict]:
+    """One score dict of the samples dynamic sampling kept for training (`picks`: learners.dynamic_sampling.kept_groups)
+    out of each generation round's score dicts: their totals and components. Errors, NCI and spread are per reward
+    call, not per sample, so the kept groups have none."""
+    def column(values) -> list[float]:  # per sample, rounds laid out as the trajectories are
+        return gather([[x for s in scores for x in values(s)] for scores in rounds], picks, group_size)
+
+    names = rounds[0][0]["components"]  # one reward spec for the whole step
+    return [{"total": column(lambda s: s["total"]),
+             "components": {k: column(lambda s, k=k: s["components"][k]) for k in names}}]
+
+
+def kept_metrics(rounds: list[list[dict]], group_size: int, num_groups: int) -> dict:
+    """`reward_metrics` of the groups dynamic sampling keeps for training (`kept_groups`), each key suffixed `_kept`:
+    reward_mean_kept, reward_std_kept, reward/<component>_kept, accuracy_kept. `rounds`: each generation round's
+    score dicts, in round order."""
+    picks, _ = kept_groups([sample_totals(scores) for scores in rounds], group_size, num_groups)
+    return reward_metrics(kept_scores(rounds, picks, group_size), suffix="_kept")
+
+
+def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,
+                 version: int) -> dict:
+    """One line of metrics.jsonl: reward and its components (`reward_metrics` over `scores`: with dynamic sampling
+    every generation round's, i.e. all the groups sampled in the step, not only those kept for training), lengths,
+    learner statistics and timings."""
+    lengths = [n for s in summaries for n in s["lengths"]]
+    batch_versions = [s["version"] for s in summaries]
+    tokens = sum(lengths)
+    mask_sum = max(train["mask_sum"], 1.0)
+    return {
+        "step": step,
+        **reward_metrics(scores),
         "response_length": float(np.mean(lengths)),
         "truncated_fraction": float(np.mean([r == "length" for s in summaries for r in s["finish_reasons"]])),
         "env_calls": sum(s["env_calls"] for s in summaries), "env_errors": sum(s["env_errors"] for s in summaries),
@@ -211,7 +255,24 @@ def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: di
         "tokens_per_s": tokens / max(max(s["seconds"] for s in summaries), 1e-9),
         "batch_weight_version": min(batch_versions), "weight_version": version,
         "version_lag": version - 1 - min(batch_versions),
+        **learner_reports(train), **peak_memory("rollout", [s["peak_memory_gb"] for s in summaries]),
+        **peak_memory("reward", [s["peak_memory_gb"] for s in scores]),
     }
-    if "accuracy" in components:
-        record["accuracy"] = record["reward/accuracy"]
-    return record
+
+
+def learner_reports(train: dict) -> dict:
+    """What the learner group reports under its own names: `mismatch/*` (engine vs learner), `memory/*`, and the
+    tokens its forwards and backwards processed (`learner_tokens`, per second of its step `learner_tokens_per_s`)."""
+    return {k: v for k, v in train.items()
+            if k.startswith(("mismatch/", "memory/")) or k in ("learner_tokens", "learner_tokens_per_s")}
+
+
+def peak_memory(role: str, peaks: list[dict[str, float]]) -> dict[str, float]:
+    """`memory/<role>_peak_gb` (resident) and `memory/<role>_gpu_peak_gb`: the largest of one role's actors' peaks
+    (`cluster.devices.peak_memory_gb`) in GB."""
+    out = {}
+    for kind, suffix in (("rss", ""), ("gpu", "_gpu")):
+        values = [p[kind] for p in peaks if kind in p]
+        if values:
+            out[f"memory/{role}{suffix}_peak_gb"] = max(values)
+    return out

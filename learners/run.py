@@ -39,15 +39,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         return 0
-    from cluster.ray_session import start_or_join
     from learners import console
     from learners.learner_group import LearnerRankFailed
     from learners.trainer import Trainer
     run_log = console.configure(Path(cfg.output_dir), cfg.logging.verbose)
-    start_or_join(cfg.cluster)
-    if not cfg.logging.verbose:
-        console.route_actor_output(run_log)
-    trainer = Trainer(cfg)
+    # Ray starts (or is joined) in the run's Fleet (learners/fleet.py); then the actors' output goes to run.log
+    trainer = Trainer(cfg, on_ray_start=None if cfg.logging.verbose else lambda: console.route_actor_output(run_log))
     try:
         history = trainer.fit()
     except FileExistsError as e:
@@ -57,8 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if history:
+        from learners.validation import gain_summary
+        # reward_mean is over every group a step sampled (with dynamic sampling too: the kept ones are *_kept)
         rewards = [h["reward_mean"] for h in history if "reward_mean" in h]
         summary = f"reward {rewards[0]:.3f} -> {rewards[-1]:.3f}; " if rewards else ""
+        summary += gain_summary(Path(cfg.output_dir))  # what the last stage added to held-out accuracy
         print(f"done: {len(history)} steps, {summary}outputs in {cfg.output_dir} (log: {run_log})")
     if trainer.report:
         print("\n" + trainer.report)

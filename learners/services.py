@@ -8,7 +8,8 @@ from pathlib import Path
 
 import ray
 
-from actors.environment import Environment, RetrievalEnvironment
+from actors.environment import Environment
+from actors.retrieval_env import RetrievalEnvironment
 from cluster.placement import Placement
 from cluster.ray_session import ACTOR_LOST
 
@@ -79,7 +80,7 @@ def start_environment(cfg, placement: Placement) -> Environment | None:
         return make_tool_environment(cfg.tools, retriever)
     return RetrievalEnvironment(retriever, top_k=cfg.retrieval.search.top_k, timeout_s=cfg.retrieval.timeout_s,
                                 show=cfg.retrieval.show, link_options=cfg.retrieval.link_options,
-                                passage_chars=cfg.retrieval.passage_chars)
+                                passage_chars=cfg.retrieval.passage_chars, paging=cfg.retrieval.paging)
 
 
 def service_actors(environment: Environment | None, judge) -> dict[str, list]:

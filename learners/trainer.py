@@ -3,6 +3,9 @@
 A run is a list of stages (one GRPO stage unless the config lists more): a GRPO stage runs the loop above, an SFT
 stage trains on demonstrations; weights carry over from stage to stage. The driver only moves object refs and small
 numbers; trajectories go from rollout workers to reward actors and learners directly through the object store.
+
+Read top to bottom: the loop, one step's parts, then set-up and teardown (the actors themselves are a `Fleet`,
+learners/fleet.py, which evaluation stands on too; entering a stage is learners/stages.py).
 """
 from __future__ import annotations
 
@@ -17,24 +20,22 @@ import torch
 import yaml
 
 from actors.environment import derive_seed
-from actors.image_tokens import ImageTokens
-from actors.rollout_worker import RolloutWorker
-from learners.services import (count_restarts, service_actors, service_roles, start_environment, start_judge,
-                               tool_demand)
-from cluster.placement import ROLES, Placement, place
-from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
+from learners.services import count_restarts, service_actors, service_roles
+from cluster.placement import ROLES
+from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import checkpoint as ckpt
 from tasks.storage import run_storage
 from learners.algorithm import group_advantages
 from learners.config import RunConfig
-from learners.data import PromptSampler, demonstration_trajectory, prompts_that_fit, read_demonstrations
+from learners.data import PromptSampler
 from learners.dynamic_sampling import count_informative, fill_batch
+from learners.fleet import Fleet
 from learners.learner_group import LearnerGroup
-from learners.metrics import Laps, MetricsLogger, step_metrics
+from learners.stages import Stages
+from learners.metrics import Laps, MetricsLogger, kept_metrics, learner_reports, sample_totals, step_metrics
 from tasks.tiny_models import policy_dir
 from learners.validation import Validator, closing_report, plot_curves
 from recipes import load_recipe
-from rewards.reward_actor import RewardActor
 
 log = logging.getLogger("medray.trainer")
 
@@ -50,132 +51,105 @@ class StepRollouts:
     calls: list[tuple]
 
 
-class Trainer:
-    def __init__(self, cfg: RunConfig):
+class Trainer(Stages):
+    def __init__(self, cfg: RunConfig, on_ray_start=None):
+        """`on_ray_start`: called once Ray is up (learners/run.py routes the actors' output to run.log)."""
         self.cfg = cfg
+        self.fleet = Fleet(cfg, ROLES + service_roles(cfg), on_ray_start=on_ray_start)
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.storage = run_storage(cfg.storage.path, self.out)  # where checkpoints, metrics and evaluations go too
 
-    # ---- set-up -------------------------------------------------------------------------------------------
-    def setup(self) -> None:
-        cfg, laps = self.cfg, Laps()
-        if not cfg.resume:
-            ckpt.refuse_existing_run(self.out, self.storage)
-        start_or_join(cfg.cluster)
-        laps.lap("ray")
-        self.recipe = load_recipe(cfg.recipe)
-        self.step, resume_from = 0, None
-        resume_source = None  # the checkpoint's URI when it comes from storage
-        if cfg.resume:
-            resume_from, resume_source = ckpt.resume_point(self.ckpt_root, self.storage)
-            if resume_from is None:
-                log.warning("resume=true but no valid checkpoint under %s; starting from step 0",
-                            self.storage.uri("checkpoints") if self.storage else self.ckpt_root)
-            else:
-                self.step = ckpt.read_state(resume_from)["step"]
-        self.base_model = policy_dir(cfg.model)
-        # on storage, every rollout worker reads the checkpoint from there (output_dir may be the driver's disk only)
-        policy_path = resume_source or (str(resume_from) if resume_from else self.base_model)
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def fit(self) -> list[dict]:
+        self.setup()
+        try:
+            return self.loop()
+        finally:
+            self.shutdown()
 
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
-        self.placement: Placement = place(cfg.cluster, ROLES + service_roles(cfg), others=tool_demand(cfg))
-        # written once the run is known to fit, so a refused resume leaves the previous run's config as it was
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
-        laps.lap("placement")
-        self.environment = start_environment(cfg, self.placement)
-        self.judge = start_judge(cfg, self.placement)
-        laps.lap("services")
-        self.workers = self._start_rollout_workers(policy_path)
-        self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from, resume_source)
-        laps.lap("learners")
-        self.learners.connect(self.workers)
-        self.stage_index, self.rewarders = None, []
-        self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
-        self.service_pids: dict = {}
-        laps.lap("connect")
-        self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
-        laps.lap("stage")
-        if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
-            # stateful rewards (adaptive thresholds) continue where they were, in their owner
-            states = ckpt.read_state(resume_from).get("reward_states", [])
-            if states:
-                ray.get(self.rewarders[0].load_state_dict.remote(states[0]))
-        ray.get([w.ready.remote() for w in self.workers])
-        laps.lap("rollout_workers")
-        count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
-        self.version = self.step  # the learner's weight version: one per optimizer step taken
-        self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
-        self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
-        self.report = None  # the closing evaluation table, once the run has one
-        self.startup = laps.total()  # reported with the first step
-        log.info("start-up %s", laps)
+    def loop(self) -> list[dict]:
+        """Stage after stage until total_steps; each stage runs from the current step to its end."""
+        history = []
+        if self.validator and self.cfg.eval.at_start and self.step == 0:
+            self.metrics.log({"step": 0, **self.validate()})
+        with self.metrics.progress(self.cfg.total_steps, self.step) as bar:
+            while self.step < self.cfg.total_steps:
+                index, end = self.stage_at(self.step)
+                self.enter_stage(index)
+                run = self.run_sft if self.stage.kind == "sft" else self.run_grpo
+                history += run(end, bar)
+        if self.validator:
+            self.report = closing_report(self.cfg, self.out)
+        plot_curves(self.out, self.cfg)
+        if self.storage:
+            self.metrics.flush()
+            ckpt.publish_run_files(self.storage, self.out)
+        return history
 
-    # ---- stages -------------------------------------------------------------------------------------------
-    def stage_at(self, step: int) -> tuple[int, int]:
-        """(index of the stage that runs step `step` + 1, the global step at which that stage ends)."""
-        end = 0
-        for index, stage in enumerate(self.cfg.stage_plan()):
-            end += stage.steps
-            if step < end:
-                return index, end
-        raise ValueError(f"step {step} is past the run's {self.cfg.total_steps} steps")
+    def run_grpo(self, end: int, bar) -> list[dict]:
+        """GRPO steps until `end`: prompts -> rollouts -> rewards -> advantages -> update -> sync -> log. With
+        one_step_off the next step's rollouts are sampled with the current weights while this step trains."""
+        cfg, history = self.stage_cfg, []
+        overlap = self.cfg.async_mode == "one_step_off"
+        pending = self.start_rollouts(self.step)
+        while pending is not None:
+            step_start, rollouts = time.perf_counter(), pending
+            summaries = self.collect(rollouts)
+            scores = self.score(rollouts)
+            next_step = rollouts.step + 1
+            pending = self.start_rollouts(next_step) if overlap and next_step < end else None
+            batch, totals, sampled, scores = self.training_batch(rollouts, scores)
+            advantages = group_advantages(torch.tensor(totals), cfg.rollout.group_size, cfg.algorithm.normalize_std)
+            train, sync = self.update_and_sync(batch, advantages.tolist(), "grpo")
+            if not overlap and next_step < end:
+                pending = self.start_rollouts(next_step)
+            self.step = next_step
+            record = {**step_metrics(self.step, scores, summaries, train, sync, self.version), **sampled,
+                      **self.health(rollouts)}
+            history.append(self.finish_step(record, step_start, bar))
+        return history
 
-    def enter_stage(self, index: int) -> None:
-        """Make stage `index` current: its prompts or demonstrations, and reward actors for its reward spec (weights,
-        rollout workers and the environment carry over)."""
-        if index == self.stage_index:
-            return
-        previous = self.stage_cfg if self.stage_index is not None else None
-        self.stage_index, self.stage = index, self.cfg.stage_plan()[index]
-        self.stage_cfg = cfg = self.cfg.for_stage(index)
-        log.info("stage %d (%s, %s): %d steps", index, self.stage.name, self.stage.kind, self.stage.steps)
-        if self.stage.kind == "sft":
-            sft = self.stage.sft
-            demos = self.generated_demonstrations(cfg) if sft.data == "expert" or \
-                sft.data in self.recipe.demonstration_sources else read_demonstrations(sft.data)
-            vision = ImageTokens.for_model(self.base_model)
-            self.demonstrations = [demonstration_trajectory(d, self.tokenizer, i, vision) for i, d in enumerate(demos)]
-            self.sampler = PromptSampler(len(demos), sft.batch_size, cfg.seed, sft.shuffle)
-            return
-        if previous is None or previous.data != cfg.data or not hasattr(self, "tasks"):
-            self.tasks = prompts_that_fit(cfg.data, self.tokenizer)
-        self.sampler = PromptSampler(len(self.tasks), cfg.rollout.prompts_per_step, cfg.seed, cfg.data.shuffle)
-        self.rollout_hooks = self.recipe.rollout_hooks(cfg)
-        if previous is None or previous.rewards != cfg.rewards or not self.rewarders:
-            for actor in self.rewarders:
-                ray.kill(actor)
-            self.reward_pids = {}
-            self.rewarders = [RewardActor.options(**self.placement.options("reward", i, f"RewardActor-{i}")).remote(
-                [s.model_dump() for s in cfg.rewards.components], cfg.rewards.timeout_s, cfg.rewards.on_error,
-                self.cfg.cluster.reward.threads) for i in range(self.cfg.cluster.reward.num)]
-            ray.get([r.__ray_ready__.remote() for r in self.rewarders])
-            # RewardActor-0 owns the state of stateful rewards: it calibrates the whole batch once
-            self.stateful_rewards = ray.get(self.rewarders[0].stateful.remote())
+    def run_sft(self, end: int, bar) -> list[dict]:
+        """Demonstration batches through the same learner group; the weights reach the rollout workers each step."""
+        history = []
+        while self.step < end:
+            step_start = time.perf_counter()
+            batch = [self.demonstrations[i] for i in self.sampler.batch(self.step)]
+            train, sync = self.update_and_sync([ray.put(batch)], None, "sft")
+            self.step += 1
+            tokens = max(train["mask_sum"], 1.0)
+            record = {"step": self.step, "sft_loss": train["loss"], "sft_tokens": train["mask_sum"],
+                      "entropy": train["entropy_sum"] / tokens, "grad_norm": train["grad_norm"], "lr": train["lr"],
+                      "train_s": train["seconds"], **sync, "weight_version": self.version, **learner_reports(train)}
+            history.append(self.finish_step(record, step_start, bar))
+        return history
 
-    def generated_demonstrations(self, cfg: RunConfig) -> list[dict]:
-        """An SFT stage's generated data, made once and kept under output_dir/stages/<stage>/ so a run resumed inside
-        the stage trains on the same data: the scripted expert's episodes on data.train ('expert', the cold start),
-        or the recipe plugin's demonstrations (a source it names, e.g. made from the current policy's rollouts)."""
-        path = self.out / "stages" / self.stage.name / "demonstrations.jsonl"
-        if not path.exists() and self.stage.sft.data == "expert":
-            from learners.expert import write_demonstrations
-            made = write_demonstrations(cfg, cfg.data.train, path, progress=False)
-            log.info("stage %s: %d expert demonstrations from %d tasks (%d without the gold document in view)",
-                     self.stage.name, made["demonstrations"], made["tasks"], made["skipped_not_retrieved"])
-        elif not path.exists():
-            self.recipe.write_demonstrations(self.stage.sft.data, workers=self.workers,
-                                             tasks=prompts_that_fit(cfg.data, self.tokenizer),
-                                             tokenizer=self.tokenizer, cfg=cfg, sft=self.stage.sft,
-                                             seed=derive_seed(cfg.seed, "inject", self.step), path=path)
-        return read_demonstrations(path)
+    def finish_step(self, record: dict, step_start: float, bar) -> dict:
+        """Stage columns, checkpoint when due, timing; then the record goes to every metrics sink."""
+        record.update(stage=self.stage_index, stage_name=self.stage.name, **self.startup)
+        self.startup = {}
+        if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.total_steps \
+                or self.step == self.stage_at(self.step - 1)[1]:
+            record["checkpoint_s"] = self.save_checkpoint()
+        record["step_s"] = time.perf_counter() - step_start
+        if self.validator and self.validator.due(self.step):
+            record.update(self.validate())
+        self.metrics.log(record)
+        if self.storage and "checkpoint_s" in record:  # with the checkpoint: this step's line and evaluations
+            self.metrics.flush()
+            ckpt.publish_run_files(self.storage, self.out)
+        bar.update(record)
+        return record
 
-    def _start_rollout_workers(self, model_path: str) -> list:
-        return [RolloutWorker.options(**self.placement.options("rollout", i, f"RolloutWorker-{i}")).remote(
-            model_path, **self.cfg.engine_args(), version=self.step, environment=self.environment)
-            for i in range(self.cfg.cluster.rollout.num)]
+    def validate(self) -> dict:
+        """The eval section's splits on the rollout workers, under the weights they hold now."""
+        start = time.perf_counter()
+        record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump(),
+                                    self.judge)
+        # the service actors' work during the evaluation (a judge grading answers) is not the next step's
+        self.recipe.step_stats(service_actors(self.environment, self.judge))
+        return {**record, "eval_s": time.perf_counter() - start}
 
     # ---- one step, stage by stage ---------------------------------------------------------------------------
     def start_rollouts(self, step: int, refill_round: int = 0) -> StepRollouts:
@@ -192,20 +166,6 @@ class Trainer:
                   r.grammar.model_dump(), self.rollout_hooks) for groups in chunks]
         refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(self.workers, calls)]
         return StepRollouts(step, self.version, [t for t, _ in refs], [s for _, s in refs], calls)
-
-    def refill(self, rollouts: StepRollouts, totals: list[float]) -> tuple[list, list[float], dict]:
-        """DAPO's dynamic sampling (learners/dynamic_sampling.py): rounds of other prompts while fewer than
-        prompts_per_step groups have rewards that differ, then the batch of those groups, as one object. The step's
-        reward metrics stay those of its first round."""
-        r, bound = self.stage_cfg.rollout, self.stage_cfg.algorithm.max_extra_rounds
-        rounds = [([t for share in ray.get(rollouts.trajectories) for t in share], totals)]
-        while count_informative(rounds, r.group_size) < r.prompts_per_step and len(rounds) <= bound:
-            extra = self.start_rollouts(rollouts.step, refill_round=len(rounds))
-            self.collect(extra)
-            scored = [x for s in self.score(extra) for x in s["total"]]
-            rounds.append(([t for share in ray.get(extra.trajectories) for t in share], scored))
-        trajectories, kept, stats = fill_batch(rounds, r.group_size, r.prompts_per_step)
-        return [ray.put(trajectories)], kept, {**stats, "extra_generation_rounds": len(rounds) - 1}
 
     def collect(self, rollouts: StepRollouts, attempts: int = 3) -> list[dict]:
         """The step's rollout summaries, once every worker's share has arrived. A share lost with its worker (killed,
@@ -250,75 +210,35 @@ class Trainer:
                 self.reward_pids[actor] = s["pid"]
         return ray.get(self.rewarders[0].calibrate.remote(scores)) if self.stateful_rewards else scores
 
-    # ---- the loop --------------------------------------------------------------------------------------------
-    def fit(self) -> list[dict]:
-        self.setup()
-        try:
-            return self.loop()
-        finally:
-            self.shutdown()
-
-    def loop(self) -> list[dict]:
-        """Stage after stage until total_steps; each stage runs from the current step to its end."""
-        history = []
-        if self.validator and self.cfg.eval.at_start and self.step == 0:
-            self.metrics.log({"step": 0, **self.validate()})
-        with self.metrics.progress(self.cfg.total_steps, self.step) as bar:
-            while self.step < self.cfg.total_steps:
-                index, end = self.stage_at(self.step)
-                self.enter_stage(index)
-                run = self.run_sft if self.stage.kind == "sft" else self.run_grpo
-                history += run(end, bar)
-        if self.validator:
-            self.report = closing_report(self.cfg, self.out)
-        plot_curves(self.out, self.cfg)
-        if self.storage:
-            self.metrics.flush()
-            ckpt.publish_run_files(self.storage, self.out)
-        return history
-
-    def validate(self) -> dict:
-        """The eval section's splits on the rollout workers, under the weights they hold now."""
-        start = time.perf_counter()
-        record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump(),
-                                    self.judge)
-        # the service actors' work during the evaluation (a judge grading answers) is not the next step's
-        self.recipe.step_stats(service_actors(self.environment, self.judge))
-        return {**record, "eval_s": time.perf_counter() - start}
-
-    def run_grpo(self, end: int, bar) -> list[dict]:
-        """GRPO steps until `end`: prompts -> rollouts -> rewards -> advantages -> update -> sync -> log. With
-        one_step_off the next step's rollouts are sampled with the current weights while this step trains."""
-        cfg, history = self.stage_cfg, []
-        overlap = self.cfg.async_mode == "one_step_off"
-        pending = self.start_rollouts(self.step)
-        while pending is not None:
-            step_start, rollouts = time.perf_counter(), pending
-            summaries = self.collect(rollouts)
-            scores = self.score(rollouts)
-            next_step = rollouts.step + 1
-            pending = self.start_rollouts(next_step) if overlap and next_step < end else None
-            batch, totals, sampled = self.training_batch(rollouts, scores)
-            advantages = group_advantages(torch.tensor(totals), cfg.rollout.group_size, cfg.algorithm.normalize_std)
-            train, sync = self.update_and_sync(batch, advantages.tolist(), "grpo")
-            if not overlap and next_step < end:
-                pending = self.start_rollouts(next_step)
-            self.step = next_step
-            record = {**step_metrics(self.step, scores, summaries, train, sync, self.version), **sampled,
-                      **self.health(rollouts)}
-            history.append(self.finish_step(record, step_start, bar))
-        return history
-
-    def training_batch(self, rollouts: StepRollouts, scores: list[dict]) -> tuple[list, list[float], dict]:
+    def training_batch(self, rollouts: StepRollouts, scores: list[dict]) -> tuple[list, list[float], dict, list[dict]]:
         """What the learner trains on: the step's rollouts with their rewards, or with dynamic sampling the
-        informative groups (`refill`), always prompts_per_step whole groups."""
-        r, totals = self.stage_cfg.rollout, [x for s in scores for x in s["total"]]
-        batch, totals, sampled = self.refill(rollouts, totals) if self.stage_cfg.algorithm.dynamic_sampling \
-            else (rollouts.trajectories, totals, {})
+        informative groups (`refill`), always prompts_per_step whole groups; then the sampling stats and the score
+        dicts of every group sampled (those the step's reward metrics are over)."""
+        r, totals = self.stage_cfg.rollout, sample_totals(scores)
+        batch, totals, sampled, scores = self.refill(rollouts, scores) if self.stage_cfg.algorithm.dynamic_sampling \
+            else (rollouts.trajectories, totals, {}, scores)
         if len(totals) != r.prompts_per_step * r.group_size:
             raise RuntimeError(f"step {rollouts.step + 1}: {len(totals)} samples scored, expected "
                                f"{r.prompts_per_step * r.group_size}")
-        return batch, totals, sampled
+        return batch, totals, sampled, scores
+
+    def refill(self, rollouts: StepRollouts, scores: list[dict]) -> tuple[list, list[float], dict, list[dict]]:
+        """DAPO's dynamic sampling (learners/dynamic_sampling.py): rounds of other prompts while fewer than
+        prompts_per_step groups have rewards that differ, then the batch of those groups, as one object. Returns the
+        batch, its totals, the sampling stats with the kept groups' reward columns (`*_kept`), and every round's
+        score dicts: the step's reward metrics are over all the groups sampled, not the kept ones only."""
+        r, bound = self.stage_cfg.rollout, self.stage_cfg.algorithm.max_extra_rounds
+        round_scores = [scores]
+        rounds = [([t for share in ray.get(rollouts.trajectories) for t in share], sample_totals(scores))]
+        while count_informative(rounds, r.group_size) < r.prompts_per_step and len(rounds) <= bound:
+            extra = self.start_rollouts(rollouts.step, refill_round=len(rounds))
+            self.collect(extra)
+            round_scores.append(scored := self.score(extra))
+            rounds.append(([t for share in ray.get(extra.trajectories) for t in share], sample_totals(scored)))
+        trajectories, kept, stats = fill_batch(rounds, r.group_size, r.prompts_per_step)
+        stats.update(kept_metrics(round_scores, r.group_size, r.prompts_per_step))
+        return [ray.put(trajectories)], kept, {**stats, "extra_generation_rounds": len(rounds) - 1}, \
+            [s for each in round_scores for s in each]
 
     def update_and_sync(self, batch: list, advantages: list[float] | None, objective: str) -> tuple[dict, dict]:
         """The tail every step shares: one update of the learner group, then its weights to every rollout worker."""
@@ -345,38 +265,6 @@ class Trainer:
                                    f"(rollout.fidelity_tolerance {cfg.fidelity_tolerance():g})")
         return record
 
-    def run_sft(self, end: int, bar) -> list[dict]:
-        """Demonstration batches through the same learner group; the weights reach the rollout workers each step."""
-        history = []
-        while self.step < end:
-            step_start = time.perf_counter()
-            batch = [self.demonstrations[i] for i in self.sampler.batch(self.step)]
-            train, sync = self.update_and_sync([ray.put(batch)], None, "sft")
-            self.step += 1
-            tokens = max(train["mask_sum"], 1.0)
-            record = {"step": self.step, "sft_loss": train["loss"], "sft_tokens": train["mask_sum"],
-                      "entropy": train["entropy_sum"] / tokens, "grad_norm": train["grad_norm"], "lr": train["lr"],
-                      "train_s": train["seconds"], **sync, "weight_version": self.version}
-            history.append(self.finish_step(record, step_start, bar))
-        return history
-
-    def finish_step(self, record: dict, step_start: float, bar) -> dict:
-        """Stage columns, checkpoint when due, timing; then the record goes to every metrics sink."""
-        record.update(stage=self.stage_index, stage_name=self.stage.name, **self.startup)
-        self.startup = {}
-        if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.total_steps \
-                or self.step == self.stage_at(self.step - 1)[1]:
-            record["checkpoint_s"] = self.save_checkpoint()
-        record["step_s"] = time.perf_counter() - step_start
-        if self.validator and self.validator.due(self.step):
-            record.update(self.validate())
-        self.metrics.log(record)
-        if self.storage and "checkpoint_s" in record:  # with the checkpoint: this step's line and evaluations
-            self.metrics.flush()
-            ckpt.publish_run_files(self.storage, self.out)
-        bar.update(record)
-        return record
-
     def save_checkpoint(self) -> float:
         start = time.perf_counter()
         tmp = ckpt.staging_dir(self.ckpt_root, self.step)
@@ -396,11 +284,86 @@ class Trainer:
                                     self.cfg.checkpoint.keep_last, self.learners)
         return time.perf_counter() - start
 
+    # ---- set-up and teardown ------------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Start the run's actors and reservations. A set-up that fails part-way releases whatever it had started
+        (`shutdown` takes a partial state), then raises."""
+        try:
+            self._setup()
+        except BaseException:
+            try:
+                self.shutdown()
+            except Exception:  # noqa: BLE001  the set-up's own error is the one to report
+                log.exception("releasing a failed set-up")
+            raise
+
+    def _setup(self) -> None:
+        cfg, laps = self.cfg, Laps()
+        if not cfg.resume:
+            ckpt.refuse_existing_run(self.out, self.storage)
+        self.fleet.join_ray()
+        laps.lap("ray")
+        self.recipe = load_recipe(cfg.recipe)
+        self.step, resume_from = 0, None
+        resume_source = None  # the checkpoint's URI when it comes from storage
+        if cfg.resume:
+            resume_from, resume_source = ckpt.resume_point(self.ckpt_root, self.storage)
+            if resume_from is None:
+                log.warning("resume=true but no valid checkpoint under %s; starting from step 0",
+                            self.storage.uri("checkpoints") if self.storage else self.ckpt_root)
+            else:
+                self.step = ckpt.read_state(resume_from)["step"]
+        self.base_model = policy_dir(cfg.model)
+        # on storage, every rollout worker reads the checkpoint from there (output_dir may be the driver's disk only)
+        policy_path = resume_source or (str(resume_from) if resume_from else self.base_model)
+
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
+        self.fleet.place()
+        # written once the run is known to fit, so a refused resume leaves the previous run's config as it was
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
+        laps.lap("placement")
+        self.fleet.start_services()
+        laps.lap("services")
+        self.fleet.start_workers(policy_path, version=self.step)
+        self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from, resume_source)
+        laps.lap("learners")
+        self.learners.connect(self.workers)
+        self.stage_index = None
+        self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
+        self.service_pids: dict = {}
+        laps.lap("connect")
+        self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
+        laps.lap("stage")
+        if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
+            # stateful rewards (adaptive thresholds) continue where they were, in their owner
+            states = ckpt.read_state(resume_from).get("reward_states", [])
+            if states:
+                ray.get(self.rewarders[0].load_state_dict.remote(states[0]))
+        ray.get([w.ready.remote() for w in self.workers])
+        laps.lap("rollout_workers")
+        count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
+        self.version = self.step  # the learner's weight version: one per optimizer step taken
+        self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
+        self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
+        self.report = None  # the closing evaluation table, once the run has one
+        self.startup = laps.total()  # reported with the first step
+        log.info("start-up %s", laps)
+
     def shutdown(self) -> None:
-        """Release every actor and reservation, so the next run (or test) in this Ray session finds them free."""
-        self.metrics.close()
-        self.learners.shutdown()
-        services = (self.environment.actors() if self.environment else []) + ([self.judge] if self.judge else [])
-        for actor in self.workers + self.rewarders + services:
-            ray.kill(actor)
-        self.placement.remove()
+        """Release every actor and reservation (`Fleet.close`), so the next run (or test) in this Ray session finds
+        them free; after a set-up that failed part-way, what it had started."""
+        started = vars(self)  # what set-up got to: an attribute it never set is a part it never started
+        if started.get("metrics"):
+            self.metrics.close()
+        if started.get("learners"):
+            self.learners.shutdown()
+        self.fleet.close()
+
+    # the fleet's actors, by the names the rest of the loop (and tests) reach them by
+    workers = property(lambda self: self.fleet.workers)
+    rewarders = property(lambda self: self.fleet.rewarders)
+    environment = property(lambda self: self.fleet.environment)
+    judge = property(lambda self: self.fleet.judge)
+    placement = property(lambda self: self.fleet.placement)

@@ -62,19 +62,53 @@ def tag_format(trajectories: list[Trajectory], tags: tuple[str, ...] = ("think",
 
 
 def answer_correct(traj: Trajectory) -> bool:
-    """The <answer> names the gold option (multiple choice) or equals, normalised, the gold answer or a reference."""
+    """The <answer> names the gold option (multiple choice) or equals, normalised, the gold answer or a reference;
+    for a ranked task, its first name does (top-1)."""
     answer, task = extract_answer(traj.text), traj.task
     if answer is None:
         return False
     if task.get("options"):
         return extract_option(answer, task["options"]) == task["answer"].strip().upper()
-    gold = [task["answer"], *task.get("references", [])]
-    return _normalise(answer) in {_normalise(g) for g in gold}
+    if is_ranked(task):
+        return answer_rank(traj) == 0
+    return _normalise(answer) in _gold_texts(task)
+
+
+#: How many names of a ranked answer count (top-3); further names are ignored, so listing more never helps.
+RANKED_TOP = 3
+
+
+def is_ranked(task: dict) -> bool:
+    """An open question answered by a ranked list of up to RANKED_TOP names (real-case diagnosis)."""
+    return (task.get("metadata") or {}).get("answer_type") == "ranked"
+
+
+def ranked_answers(answer: str) -> list[str]:
+    """The names a ranked answer lists, most likely first: separated by semicolons or lines, a leading "1." / "2)"
+    / "-" dropped; only the first RANKED_TOP count."""
+    names = [re.sub(r"^\s*(?:\d+\s*[.)]|[-*])\s*", "", part).strip() for part in re.split(r"[;\n]", answer)]
+    return [n for n in names if n][:RANKED_TOP]
+
+
+def answer_rank(traj: Trajectory) -> int | None:
+    """Where the gold answer stands in a ranked <answer> (0: first), matched normalised against the gold name, its
+    references (name variants, the disease id) and the metadata's disease_id; None if absent or unanswered."""
+    answer = extract_answer(traj.text)
+    if answer is None:
+        return None
+    disease_id = (traj.task.get("metadata") or {}).get("disease_id")
+    gold = _gold_texts(traj.task) | ({_normalise(disease_id)} if disease_id else set())
+    return next((i for i, name in enumerate(ranked_answers(answer)) if _normalise(name) in gold), None)
+
+
+def _gold_texts(task: dict) -> set[str]:
+    return {_normalise(g) for g in [task["answer"], *task.get("references", [])]}
 
 
 @register_reward("accuracy")
 def accuracy(trajectories: list[Trajectory]) -> dict[str, list[float]]:
-    """1 if the <answer> names the gold option (multiple choice) or equals the gold answer text, else 0."""
+    """1 if the <answer> names the gold option (multiple choice), equals the gold answer text, or (a ranked task)
+    puts the gold first, else 0."""
     return {"accuracy": [float(answer_correct(t)) for t in trajectories]}
 
 

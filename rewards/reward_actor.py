@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 import ray
 
 from actors.trajectory import Trajectory
+from cluster.devices import step_peak_memory
 from rewards.nci import group_nci, group_spread
 from rewards.registry import is_diagnostic, is_stateful, make_reward
 
@@ -64,7 +65,7 @@ class RewardActor:
             by_spec.append(comps)
         groups = [t.group for t in trajectories]
         return {**self.summarize(by_spec, groups), "by_spec": by_spec, "groups": groups, "errors": errors,
-                "seconds": time.perf_counter() - start, "pid": os.getpid()}
+                "seconds": time.perf_counter() - start, "pid": os.getpid(), "peak_memory_gb": step_peak_memory()}
 
     def summarize(self, by_spec: list[dict[str, list[float]]], groups: list[int]) -> dict:
         """The total reward per sample, the components by name, their NCI per group and their spread within groups."""

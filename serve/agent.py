@@ -34,7 +34,9 @@ from typing import AsyncIterator, Awaitable, Callable
 
 from PIL import Image
 
-from actors.environment import Grammar, observation_tokens, retrieval_text, turn_seed
+from actors.environment import Grammar, Observation, action_end, observation_end, observation_limit, observation_tokens, turn_seed
+
+from actors.retrieval_env import RetrievalEnvironment
 from actors.cdir import THRESHOLD, answer_confidence, case_image, case_text, cdir_fires, token_pieces
 from actors.image_tokens import ImageTokens
 from serve.protocol import APIError, chunk, sse, usage, usage_chunk
@@ -57,29 +59,20 @@ def ignore(event: dict) -> None:
     """The Emit of an episode nobody watches turn by turn."""
 
 
-@dataclass
-class Step:
-    """The environment's answer to one action: the text the model reads (after the `images`, RGB arrays), the turn's
-    record for the trace, and whether it ends the episode (then `record["finish"]` says why)."""
-    text: str
-    record: dict
-    images: list = field(default_factory=list)
-    done: bool = False
+# (the action's text, the episode's turn records so far) -> the observation (training's type: text, the turn's record,
+# images as RGB arrays, and whether it ends the episode, then `record["finish"]` says why)
+Observe = Callable[[str, list[dict]], Awaitable[Observation]]
 
 
-# (the action's text, the episode's turn records so far) -> the observation
-Observe = Callable[[str, list[dict]], Awaitable[Step]]
-
-
-def retrieval_observer(search: Search, top_k: int, timeout_s: float, show: str = "passages",
-                       options: dict[str, str] | None = None, passage_chars: int | None = None) -> Observe:
-    """Retrieval as training showed it (`actors.environment.retrieval_text`: `show` and `passage_chars`, and with
-    `options`, a multiple-choice question's {letter: text}, each hit named like an option is linked to it); a failed
-    search is an observation the model reads, not a failed request."""
-    async def observe(query: str, turns: list[dict]) -> Step:
-        hits, error = await _search(search, query, top_k, timeout_s)
-        return Step(retrieval_text(hits, error, show=show, options=options, passage_chars=passage_chars),
-                    {"query": query, "chunk_ids": [hit["id"] for hit in hits or []], "error": error})
+def retrieval_observer(search: Search, environment: RetrievalEnvironment, timeout_s: float,
+                       options: dict[str, str] | None = None) -> Observe:
+    """Retrieval as training does it: `environment` (a RetrievalEnvironment with the run's top_k, show, link_options,
+    passage_chars and paging; its retriever unused) decides the depth searched (paging: a repeated query's next
+    page), the text shown and the turn's record, with `options` the question's {letter: text}; the search is
+    `search`. A failed search is an observation the model reads, not a failed request."""
+    async def observe(query: str, turns: list[dict]) -> Observation:
+        hits, error = await _search(search, query, environment.depth(turns, query), timeout_s)
+        return environment.observation(turns, options, query, hits, error)
     return observe
 
 
@@ -97,7 +90,8 @@ class AgentResult:
     finish: str                                     # answer, turn_limit, budget, length, stop
     transcript: str                                 # everything after the prompt: the model's and the environment's
     completion_tokens: int                          # tokens the model wrote
-    turns: list[dict] = field(default_factory=list)  # per action: its record (retrieval: query, chunk ids, error)
+    turns: list[dict] = field(default_factory=list)  # per action: its record, training's (retrieval: query, error,
+    #                                                   chunks [{id, doc_id, text}], page with paging, linked)
     confidence: float | None = None                 # of the first answer (CDIR's eta), None without one
     cdir: dict | None = None                        # fired, threshold, the case, confidence after; None: not asked
 
@@ -137,7 +131,7 @@ async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Gra
     written, turns, image_tokens = 0, [], 0  # image_tokens: what observation images expand to beyond their pads
     stops = sorted(set(stop) | set(grammar.stops()))
     while True:
-        used = len(ids) + image_tokens
+        used = len(ids) + image_tokens  # response tokens: used - len(prompt_ids), as an Episode's response_ids
         room = min(max_tokens - written, grammar.max_response_tokens - (used - len(prompt_ids)), max_model_len - used)
         if room <= 0:
             return AgentResult(None, "budget", transcript, written, turns)
@@ -161,30 +155,32 @@ async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Gra
             return result
         if stopped_by != grammar.action_close:
             return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
-        if len(turns) >= grammar.max_turns:
-            return AgentResult(None, "turn_limit", transcript, written, turns)
+        if (ended := action_end(grammar, turns, len(ids) + image_tokens - len(prompt_ids))) is not None:
+            return AgentResult(None, ended, transcript, written, turns)
         step = await observe(grammar.action_text(segment), turns)
         turns.append(step.record)
-        observation_ids, kept, expanded = served_observation(step, grammar, tokenizer, vision)
+        observation_ids, kept, expanded = served_observation(
+            step, grammar, tokenizer, vision, observation_limit(grammar, len(ids) + image_tokens - len(prompt_ids)))
         ids += observation_ids
         images += kept
         image_tokens += expanded
         shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
         transcript += shown
         emit({"kind": "observation", **step.record, "turn": len(turns) - 1, "images": len(kept), "text": shown})
-        if step.done:
-            return AgentResult(None, step.record.get("finish", "environment"), transcript, written, turns)
+        if (ended := observation_end(grammar, step, len(ids) + image_tokens - len(prompt_ids))) is not None:
+            return AgentResult(None, ended, transcript, written, turns)
         segment = ""
 
 
-def served_observation(step: Step, grammar: Grammar, tokenizer, vision: ImageTokens | None) -> tuple[list[int], list,
-                                                                                                      int]:
-    """The observation as training inserts it (`actors.environment.observation_tokens`), in vLLM's form: ids with one
-    pad per image, the images kept (PIL) and the tokens those expand to beyond their pads."""
+def served_observation(step: Observation, grammar: Grammar, tokenizer, vision: ImageTokens | None,
+                       limit: int | None = None) -> tuple[list[int], list, int]:
+    """The observation as training inserts it (`actors.environment.observation_tokens`, at most `limit` tokens,
+    default the grammar's observation cap), in vLLM's form: ids with one pad per image, the images kept (PIL) and the
+    tokens those expand to beyond their pads."""
     if step.images and vision is None:
         raise ValueError(f"the environment returned {len(step.images)} images, but the served model is text-only")
     ids, arrays, grids = observation_tokens(tokenizer, grammar, vision, step.text, step.images,
-                                            grammar.max_observation_tokens)
+                                            grammar.max_observation_tokens if limit is None else limit)
     if not arrays:
         return ids, [], 0
     return vision.collapse(ids), [Image.fromarray(a) for a in arrays], \
@@ -201,7 +197,7 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
     written). A failed image search, or an unreadable case image, keeps the first answer."""
     try:
         hit = (await asyncio.wait_for(cdir.search_images([cdir.image], 1), timeout_s))[0][0]
-        case = Step(case_text(hit), {}, images=[case_image(hit)] if vision else [])
+        case = Observation(case_text(hit), {}, images=[case_image(hit)] if vision else [])
         observation_ids, shown_images, expanded = served_observation(case, grammar, tokenizer, vision)
     except Exception as e:  # noqa: BLE001  no case to add: the first answer stands, and the trace says why
         return dataclasses.replace(first, cdir={"fired": True, "threshold": cdir.threshold,

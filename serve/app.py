@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from actors.image_tokens import ImageTokens
 from serve.agent import Cdir, retrieval_observer, run_agent, stream_agent
 from serve.api import api, read_body
-from serve.config import ServeSettings, key_digest
+from serve.config import ServeSettings, key_digest, retrieval_environment
 from serve.engine import EnginePrompt, start_engine
 from serve.images import load_image
 from serve.metrics import serve_metrics
@@ -258,8 +258,9 @@ class ChatServer:
         by turn (`serve.agent.stream_agent`). With an image retriever and an image in the request, CDIR re-retrieves by the
         first image on a low-confidence answer."""
         asked = req.agent or AgentOptions()
-        grammar = self.settings.agent.grammar.model_copy(update={
-            k: v for k, v in {"max_turns": asked.max_turns, "top_k": asked.top_k}.items() if v is not None})
+        grammar = self.settings.agent.grammar
+        if asked.max_turns is not None:
+            grammar = grammar.model_copy(update={"max_turns": asked.max_turns})
         turn_ids = itertools.count()
 
         async def generate(ids: list[int], images: list, budget: int, stops: list[str], seed: int | None):
@@ -282,9 +283,9 @@ class ChatServer:
         prefix = req.messages[-1].content if req.continue_final_message else ""
         agent = self.settings.agent
         observe = tool_observer(self.tools, prompt.images, agent.tool_timeout_s) if self.tools else \
-            retrieval_observer(search, grammar.top_k, agent.retrieval_timeout_s, agent.show,
-                               parse_option_listing(last_user_text(req)) if agent.link_options else None,
-                               agent.passage_chars)
+            retrieval_observer(search, retrieval_environment(agent, asked.top_k or agent.retrieval["top_k"]),
+                               agent.retrieval_timeout_s,
+                               parse_option_listing(last_user_text(req)) if agent.link_options else None)
         # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
         episode = functools.partial(run_agent, generate, observe, self.tokenizer, grammar, prompt.ids,
                                     images=prompt.images, vision=self.vision,

@@ -12,29 +12,27 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from actors.environment import Grammar
 from actors.cdir import THRESHOLD
+from cluster.engine import EngineSettings, GpuMemoryUtilization, MaxNumSeqs
+from cluster.schema import Strict
 from tasks.storage import fetch_checkpoint, is_uri
 
 API_KEY_ENV = "MEDRAY_API_KEY"
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class EngineSettings(Strict):
+class ServeEngineSettings(EngineSettings):
     """The vLLM engine inside each replica."""
     backend: Literal["auto", "in_process", "async_llm"] = Field(
         "auto", description="in_process: LLMEngine stepped by a thread in the replica (starts in seconds; the CPU "
                             "default); async_llm: vLLM's AsyncLLM with its engine-core process (the GPU default)")
     dtype: str = Field("auto", description="auto: float32 on CPU, the checkpoint's dtype on GPU")
-    max_model_len: int = Field(1024, ge=16)
-    max_num_seqs: int = Field(64, ge=1, description="sequences decoded together")
-    kv_cache_gb: float = Field(1.0, gt=0, description="KV cache on CPU (on GPU: gpu_memory_utilization)")
-    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    # Sized apart from a training run's engines on purpose: a replica has its GPU to itself, so it takes most of it
+    # (they default to half of theirs), and it decodes at most 64 requests together, as the judge does.
+    max_num_seqs: MaxNumSeqs = 64
+    gpu_memory_utilization: GpuMemoryUtilization = 0.85
     threads: int | None = Field(None, ge=1, description="OpenMP threads on CPU, per shard; default: the replica's "
                                                         "num_cpus over tensor_parallel_size, >= 1")
     tensor_parallel_size: int = Field(1, ge=1, description="shards of the model, one vLLM worker process each, all "
@@ -70,8 +68,9 @@ class AgentSettings(Strict):
     tool_timeout_s: float = Field(60.0, gt=0, description="seconds to wait for one tool call")
     index_dir: str | None = Field(None, description="retrieval index (python -m actors.build_index); "
                                                     "none: the run's index")
-    retrieval: dict | None = Field(None, description="actors.retriever.RetrievalConfig fields; none: the run's search "
-                                                     "settings (a BM25-only index is searched sparse)")
+    retrieval: dict | None = Field(None, description="actors.retriever.RetrievalConfig fields (top_k: documents per "
+                                                     "query); none: the run's search settings (a BM25-only index is "
+                                                     "searched sparse)")
     grammar: Grammar | None = Field(None, description="none: the run's rollout.grammar")
     show: Literal["passages", "titles"] | None = Field(None, description="what the model reads of each hit; "
                                                                          "none: the run's retrieval.show")
@@ -79,6 +78,8 @@ class AgentSettings(Strict):
                                                         "run's retrieval.link_options")
     passage_chars: int | None = Field(None, ge=1, description="cut each passage after this many characters; none: "
                                                               "the run's retrieval.passage_chars")
+    paging: bool | None = Field(None, description="a repeated query returns the next top_k hits; none: the run's "
+                                                  "retrieval.paging")
     retrieval_timeout_s: float = Field(30.0, gt=0)
     image_index_dir: str | None = Field(
         None, description="CDIR's image-caption index (python -m actors.image_index): with a multimodal checkpoint, "
@@ -87,7 +88,8 @@ class AgentSettings(Strict):
                                                                      "(Med-RwR's lambda)")
 
 
-DEFAULT_GRAMMAR = Grammar(action_tag="query", observation_tag="retrieve", max_turns=4, top_k=3)
+DEFAULT_GRAMMAR = Grammar(action_tag="query", observation_tag="retrieve", max_turns=4)
+DEFAULT_TOP_K = 3  # documents per query of an agent that no run's search settings size
 DEFAULT_TOOL_GRAMMAR = Grammar(action_tag="tool_call", observation_tag="tool_response", max_turns=6)
 
 
@@ -134,15 +136,34 @@ def agent_from_run(agent: AgentSettings, run: dict | None) -> AgentSettings:
                          "(the run that wrote this checkpoint used no retrieval)")
     search = (retrieval or {}).get("search") or {}
     default_grammar = DEFAULT_GRAMMAR if tools is None else DEFAULT_TOOL_GRAMMAR
+    if grammar:  # a run written before top_k left the grammar still has it there: the search settings hold it now
+        grammar = {k: v for k, v in grammar.items() if k != "top_k"}
+    # documents per query: agent.retrieval's, else the run's search settings' (one setting, as in training)
+    searched = {"top_k": search.get("top_k", DEFAULT_TOP_K),
+                **(agent.retrieval if agent.retrieval is not None else search)}
+    # how hits are shown: an explicit agent.* setting, else the run's retrieval section (checked as agent.* is);
+    # what neither sets is RetrievalEnvironment's default (retrieval_environment), the one training uses
+    shown = {key: getattr(agent, key) if getattr(agent, key) is not None else (retrieval or {}).get(key)
+             for key in SHOWN}
+    try:
+        AgentSettings.model_validate(shown)
+    except ValidationError as e:
+        raise ValueError("retrieval: " + "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                                   for err in e.errors())) from None
     return agent.model_copy(update={
-        "enabled": True, "index_dir": index_dir if searches else None, "tools": tools,
-        "retrieval": agent.retrieval if agent.retrieval is not None else search,
-        "grammar": agent.grammar or (Grammar.model_validate({**grammar, "top_k": search.get("top_k", grammar.get(
-            "top_k", 3))}) if grammar else default_grammar),
-        "show": agent.show or (retrieval or {}).get("show", "passages"),
-        "link_options": agent.link_options if agent.link_options is not None else
-        bool((retrieval or {}).get("link_options", False)),
-        "passage_chars": agent.passage_chars or (retrieval or {}).get("passage_chars")})
+        "enabled": True, "index_dir": index_dir if searches else None, "tools": tools, "retrieval": searched,
+        "grammar": agent.grammar or (Grammar.model_validate(grammar) if grammar else default_grammar), **shown})
+
+
+SHOWN = ("show", "link_options", "passage_chars", "paging")  # the retrieval section's presentation keys
+
+
+def retrieval_environment(agent: AgentSettings, top_k: int):
+    """The served agent's retrieval environment, training's RetrievalEnvironment (its retriever unused: a replica
+    searches through its own handle) with `top_k` hits per query and the resolved presentation of `agent`."""
+    from actors.retrieval_env import RetrievalEnvironment
+    return RetrievalEnvironment(None, top_k=top_k, timeout_s=agent.retrieval_timeout_s,
+                                **{key: getattr(agent, key) for key in SHOWN if getattr(agent, key) is not None})
 
 
 class ServeSettings(Strict):
@@ -151,7 +172,7 @@ class ServeSettings(Strict):
     model_name: str = Field("medray", pattern=r"^[A-Za-z0-9._:-]+$",
                             description="the id clients ask for; agent mode is '<model_name>-agent'")
     api_key: str | None = Field(None, description=f"Bearer key clients must send; default: ${API_KEY_ENV}")
-    engine: EngineSettings = EngineSettings()
+    engine: ServeEngineSettings = ServeEngineSettings()
     limits: Limits = Limits()
     agent: AgentSettings = AgentSettings()
 

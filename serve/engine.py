@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from cluster.devices import engine_parallelism
-from serve.config import EngineSettings
+from cluster.engine import engine_args, prepare_engine_process
+from serve.config import ServeEngineSettings
 
 log = logging.getLogger("medray.serve")
 
@@ -151,7 +150,7 @@ class AsyncLLMEngine:
         await self.engine.check_health()
 
 
-def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpus: float,
+def start_engine(checkpoint: str, settings: ServeEngineSettings, device: str, num_cpus: float,
                  max_images: int | None = None, num_gpus: int = 0):
     """Build the engine for `device` ('cuda' or 'cpu'), setting the CPU environment vLLM reads at start-up.
     `max_images`: images per prompt of a multimodal checkpoint (None: a text-only one). `num_cpus`, `num_gpus`: what
@@ -163,26 +162,11 @@ def start_engine(checkpoint: str, settings: EngineSettings, device: str, num_cpu
         raise ValueError(f"engine.tensor_parallel_size {shards} needs {shards} GPUs in each replica but it has "
                          f"{num_gpus}: set num_gpus: {shards} in the ChatServer deployment's ray_actor_options")
     backend = settings.backend if settings.backend != "auto" else ("in_process" if on_cpu else "async_llm")
-    if on_cpu:
-        from cluster.devices import pin_threads
-
-        # Ray gives workers OMP_NUM_THREADS=1, which makes vLLM-CPU ~4x slower. Each shard's worker takes this many.
-        pin_threads(settings.threads or max(1, round(num_cpus / shards)))
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(settings.kv_cache_gb)))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if backend == "in_process":
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # load_format: weights only from safetensors, never unpickled from .bin/.pt files in a checkpoint directory.
-    args = dict(model=checkpoint, load_format="safetensors", seed=settings.seed, max_model_len=settings.max_model_len,
-                max_num_seqs=settings.max_num_seqs, enable_prefix_caching=True, disable_log_stats=True,
-                dtype="float32" if on_cpu and settings.dtype == "auto" else settings.dtype,
-                gpu_memory_utilization=settings.gpu_memory_utilization,
-                # vLLM-CPU: no CUDA graphs to capture; and chunked prefill rewinds per-request generators, which CPU
-                # generators cannot do, so requests with a seed would fail.
-                enforce_eager=on_cpu, enable_chunked_prefill=not on_cpu,
-                **(engine_parallelism(shards) if on_cpu or shards > 1 else {}))
-    if max_images is not None:  # vLLM sizes the vision encoder's cache for this many images; no video inputs
-        args["limit_mm_per_prompt"] = {"image": max_images, "video": 0}
+    # On CPU each shard's worker takes this many threads.
+    prepare_engine_process(settings.threads or max(1, round(num_cpus / shards)) if on_cpu else None,
+                           in_process=backend == "in_process")
+    args = engine_args(checkpoint, settings, device=device, dtype=settings.dtype, seed=settings.seed,
+                       tensor_parallel_size=shards, max_images=max_images, serving=True)
     log.info("starting vLLM (%s, %s) on %s", backend, checkpoint, device)
     if backend == "in_process":
         return InProcessEngine(EngineArgs(**args))

@@ -52,7 +52,8 @@ class AgentOptions(Lenient):
     """medray's extension: run the reasoning-with-retrieval loop for this request."""
     trace: bool = Field(False, description="return the queries, retrieved chunk ids and the transcript")
     max_turns: int | None = Field(None, ge=0, description="retrieval calls (default: the server's grammar)")
-    top_k: int | None = Field(None, ge=1, le=50, description="chunks per query (default: the server's grammar)")
+    top_k: int | None = Field(None, ge=1, le=50, description="chunks per query (default: the server's "
+                                                             "agent.retrieval.top_k)")
 
 
 class StreamOptions(Lenient):

@@ -22,7 +22,7 @@ from actors.environment import Observation
 from actors.gym import ToolsConfig, plan_call, tool_observation
 from actors.tools import ToolCall, make_tool
 from cluster.devices import pin_threads
-from serve.agent import Observe, Step
+from serve.agent import Observe
 from serve.retrievers import CONSTRUCTOR_RETRIES, assigned_threads
 
 
@@ -73,7 +73,7 @@ class ToolServer:
             options["retriever"] = Retriever.options(num_cpus=0).remote(index_dir, config=retrieval)
         return options
 
-    def step(self, images: list, turns: list[dict], action: str) -> Step:
+    def step(self, images: list, turns: list[dict], action: str) -> Observation:
         """One action of an episode on a request with `images` (PIL) whose turn records so far are `turns`."""
         planned = plan_call({"images": self.images.paths_of(images)}, turns, action, self.config.allowed_tools,
                             self.config.max_tool_calls)
@@ -83,7 +83,7 @@ class ToolServer:
             except Exception as e:  # noqa: BLE001  as in training: the policy reads that the tool failed
                 result, error = None, type(e).__name__
             planned = tool_observation(planned, result, error, self.config.observe_images)
-        return Step(planned.text, planned.record, list(planned.images), planned.done)
+        return planned
 
     def ready(self) -> bool:
         """Answered once the tools are loaded (the constructor has returned)."""
@@ -93,13 +93,13 @@ class ToolServer:
 def tool_observer(tools: DeploymentHandle, images: list, timeout_s: float) -> Observe:
     """The served agent's environment for a request with `images`: each action to the Tools deployment. A tool
     that does not answer within `timeout_s`, or a failed replica, is an observation the policy reads, as in training."""
-    async def observe(action: str, turns: list[dict]) -> Step:
+    async def observe(action: str, turns: list[dict]) -> Observation:
         try:
             return await asyncio.wait_for(tools.step.remote(images, turns, action), timeout_s)
         except asyncio.TimeoutError:
             error = "timeout"
         except Exception as e:  # noqa: BLE001
             error = type(e).__name__
-        return Step(f"the tool call failed ({error}); continue without it",
+        return Observation(f"the tool call failed ({error}); continue without it",
                     {"requested": None, "args": None, "error": error})
     return observe

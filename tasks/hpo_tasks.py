@@ -46,11 +46,13 @@ SYSTEM_PROMPT = (
     "terms</query>; results come back inside <retrieve></retrieve>. Give the final answer as <answer>X</answer>, "
     "where X is {what}."
 )
-_ANSWER_KINDS = {"letter": "the option letter", "disease": "the disease name"}
+_ANSWER_KINDS = {"letter": "the option letter", "disease": "the disease name",
+                 "ranked": "up to three disease names, most likely first, separated by semicolons"}
 
 
 def system_message(answer_kind: str) -> Message:
-    """The shared system prompt; ``answer_kind`` is 'letter' (multiple choice) or 'disease' (open-ended)."""
+    """The shared system prompt; ``answer_kind`` is 'letter' (multiple choice), 'disease' (open-ended) or 'ranked'
+    (open-ended, a ranked list of up to three names: graded top-1 / top-3)."""
     return Message(role="system", content=SYSTEM_PROMPT.format(what=_ANSWER_KINDS[answer_kind]))
 
 
@@ -73,6 +75,7 @@ class _PoolIndex:
 
     diseases: list[Disease]
     row: dict[str, int]
+    column: dict[str, int]
     matrix: csr_matrix
     sizes: np.ndarray
 
@@ -95,7 +98,7 @@ class HPOTaskBuilder:
                 seen_names |= keys
         diseases = [kb.snapshot.diseases[i] for i in sorted(self.clues)]
         self.disease_split = _split(diseases, test_fraction, random.Random(f"{seed}:split:diseases"))
-        self._pool_index = {s: self._index(pool) for s, pool in self.disease_split.items()}
+        self._pool_index = {s: self.pool_index(pool) for s, pool in self.disease_split.items()}
         self._explained: dict[str, set[str]] = {}
         self.children: dict[str, list[str]] = {}
         for t in self.terms.values():
@@ -133,8 +136,27 @@ class HPOTaskBuilder:
         self, disease: Disease, split: str, k_stratum: str, d_stratum: str, letter: str, rng: random.Random
     ) -> DiagnosisCase | None:
         clues = rng.sample(self.clues[disease.id], rng.choice(K_STRATA[k_stratum]))
+        picked = self.distractors(clues, self._similar(disease, split), d_stratum, rng)
+        if picked is None:
+            return None
+        distractors, jaccard, d_stratum = picked
+        return DiagnosisCase(
+            disease=disease,
+            clues=clues,
+            k_stratum=k_stratum,
+            distractors=distractors,
+            distractor_jaccard=jaccard,
+            distractor_stratum=d_stratum,
+            answer_letter=letter,
+        )
+
+    def distractors(self, clues: list[str], similar: Iterator[tuple[float, Disease]], d_stratum: str,
+                    rng: random.Random) -> tuple[list[Disease], list[float], str] | None:
+        """The world's distractor rule: 3 of the NEAR_POOL (near) or next FAR_POOL (far) most similar diseases in
+        ``similar`` (Jaccard, descending) that do not account for every clue; None if fewer than 3 qualify. Returns
+        the distractors (most similar first), their Jaccard similarities and the stratum actually made."""
         ranked = []  # the NEAR_POOL + FAR_POOL most similar diseases that do not account for every clue
-        for j, other in self._similar(disease, split):
+        for j, other in similar:
             if not set(clues) <= self._explains(other):
                 ranked.append((j, other))
                 if len(ranked) == NEAR_POOL + FAR_POOL:
@@ -147,23 +169,22 @@ class HPOTaskBuilder:
         else:
             candidates, d_stratum = near, "near"  # too few sharing diseases for a far set: record what was made
         picked = sorted(rng.sample(candidates, len(LETTERS) - 1), key=lambda jd: (-jd[0], jd[1].id))
-        return DiagnosisCase(
-            disease=disease,
-            clues=clues,
-            k_stratum=k_stratum,
-            distractors=[d for _, d in picked],
-            distractor_jaccard=[round(j, 4) for j, _ in picked],
-            distractor_stratum=d_stratum,
-            answer_letter=letter,
-        )
+        return [d for _, d in picked], [round(j, 4) for j, _ in picked], d_stratum
 
     def _similar(self, disease: Disease, split: str) -> Iterator[tuple[float, Disease]]:
         """Diseases of the same split sharing >= 1 phenotype with ``disease``, by Jaccard similarity (desc), then id."""
-        index = self._pool_index[split]
-        i = index.row[disease.id]
-        shared = (index.matrix @ index.matrix[i].T).toarray().ravel()
-        jaccard = shared / (index.sizes + index.sizes[i] - shared)
-        jaccard[i] = 0.0
+        return self.similar(self.features[disease.id], self._pool_index[split], exclude=disease.id)
+
+    def similar(self, features: set[str], index: _PoolIndex, exclude: str | None = None
+                ) -> Iterator[tuple[float, Disease]]:
+        """Diseases of ``index`` (a :meth:`pool_index`) sharing >= 1 of ``features``, by Jaccard similarity of
+        phenotype sets (desc), then id; the disease ``exclude`` is left out."""
+        query = np.zeros(len(index.column))
+        query[[index.column[h] for h in features if h in index.column]] = 1.0
+        shared = index.matrix @ query
+        jaccard = shared / (index.sizes + len(features) - shared)
+        if exclude in index.row:
+            jaccard[index.row[exclude]] = 0.0
         order = np.lexsort((np.arange(len(jaccard)), -jaccard))
         for r in order[jaccard[order] > 0]:
             yield float(jaccard[r]), index.diseases[r]
@@ -177,7 +198,8 @@ class HPOTaskBuilder:
             self._explained[disease.id] = found
         return self._explained[disease.id]
 
-    def _index(self, pool: list[Disease]) -> _PoolIndex:
+    def pool_index(self, pool: list[Disease]) -> _PoolIndex:
+        """``pool`` (diseases with >= 1 feature) as the disease x phenotype matrix :meth:`similar` ranks over."""
         diseases = sorted(pool, key=lambda d: d.id)
         vocab = {h: c for c, h in enumerate(sorted({h for d in diseases for h in self.features[d.id]}))}
         rows = [r for r, d in enumerate(diseases) for _ in self.features[d.id]]
@@ -186,6 +208,7 @@ class HPOTaskBuilder:
         return _PoolIndex(
             diseases=diseases,
             row={d.id: r for r, d in enumerate(diseases)},
+            column=vocab,
             matrix=matrix,
             sizes=np.diff(matrix.indptr).astype(float),
         )

@@ -12,8 +12,9 @@ import json
 from pathlib import Path
 from typing import Iterable, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from cluster.schema import Strict
 from tasks.files import building_dir
 from tasks.hpo import cache_dir
 from tasks.imaging import INPUT_SIZE
@@ -42,10 +43,6 @@ VISION_BUILD_VERSION = 1  # the same for what only multimodal builds add (the pr
 # of patch 14 x merge 2 = 28): 112 x 112 -> 8 x 8 patches -> 16 tokens after the 2 x 2 merge. min = max, so a crop
 # is magnified to the model's input size: that is what makes zooming in worth a tool call.
 IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class TinyModelConfig(Strict):

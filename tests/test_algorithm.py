@@ -94,62 +94,6 @@ def test_token_logprobs_with_temperature():
     assert ent.item() == pytest.approx(math.log(4), abs=1e-6)
 
 
-def test_learner_forward_scores_exactly_the_response_tokens_of_a_padded_batch(tiny_model_path):
-    """pad_batch + forward_logp compute logits only where a response token is predicted; the logprobs, masks and
-    behaviour logprobs must line up with a plain full-sequence forward of each trajectory on its own."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from actors.trajectory import Trajectory
-    from learners.algorithm import token_logprobs
-    from learners.batches import forward_logp, pad_batch
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    shapes = [(7, [1, 1, 0, 1]), (4, [1, 1]), (9, [1, 0, 0, 1, 1, 1])]  # (prompt length, response loss mask)
-    trajs = [Trajectory(task={}, group=0, prompt_ids=list(range(10, 10 + p)), response_ids=list(range(50, 50 + len(m))),
-                        logprobs=[-0.1 * (k + 1) for k in range(len(m))], loss_mask=m, text="", finish_reason="stop",
-                        weight_version=0) for p, m in shapes]
-    batch = pad_batch(trajs, pad_id=0)
-    assert int(batch["keep"]) == 15 - 3  # width 15, first predicting position 3 (shortest prompt 4, minus 1)
-    with torch.no_grad():
-        logp, entropy = forward_logp(model, batch, with_entropy=True, temperature=1.0)
-        for i, t in enumerate(trajs):
-            ids = torch.tensor([t.prompt_ids + t.response_ids])
-            full = token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])[0]
-            expect = full[len(t.prompt_ids) - 1:]  # the response tokens' logprobs
-            at = (batch["mask"][i] != 0) | (batch["old_logp"][i] != 0)
-            start = len(t.prompt_ids) - 1 - 3
-            assert at.nonzero().flatten().tolist() == list(range(start, start + len(t.response_ids)))
-            assert torch.allclose(logp[i, start:start + len(t.response_ids)], expect, atol=1e-5)
-            assert batch["mask"][i, start:start + len(t.response_ids)].tolist() == t.loss_mask
-            assert batch["old_logp"][i, start:start + len(t.response_ids)].tolist() == pytest.approx(t.logprobs)
-    assert logp.shape == entropy.shape == batch["mask"].shape
-    counted = batch["mask"] != 0  # entropy is a statistic of the loss's tokens only
-    assert (entropy[counted] > 0).all() and (entropy[~counted] == 0).all()
-
-
-def test_learner_forward_in_bfloat16_autocast_keeps_float32_weights_and_logprobs(tiny_model_path):
-    """learner.compute_dtype=bfloat16: the matmuls run in bfloat16, the logprobs come back in float32 within bfloat16
-    rounding of the float32 forward, and the gradients land on the float32 weights."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from actors.trajectory import Trajectory
-    from learners.batches import forward_logp, pad_batch
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
-    traj = Trajectory(task={}, group=0, prompt_ids=list(range(10, 30)), response_ids=list(range(50, 58)),
-                      logprobs=[0.0] * 8, loss_mask=[1] * 8, text="", finish_reason="stop", weight_version=0)
-    batch = pad_batch([traj], pad_id=0)
-    exact, _ = forward_logp(model, batch, with_entropy=False, temperature=1.0)
-    mixed, _ = forward_logp(model, batch, with_entropy=False, temperature=1.0, compute_dtype=torch.bfloat16)
-    assert mixed.dtype == torch.float32 and not torch.equal(mixed, exact)  # bfloat16 rounding did happen
-    assert torch.allclose(mixed, exact, atol=0.1)
-    mixed.sum().backward()
-    weight = model.get_input_embeddings().weight
-    assert weight.dtype == torch.float32 and weight.grad is not None and weight.grad.dtype == torch.float32
-
-
 def test_auto_compute_dtype_is_bfloat16_only_where_the_device_multiplies_it_natively():
     """learner.compute_dtype=auto (the quickstart's): bfloat16 on a CPU with AVX512-BF16/AMX or a bf16 GPU, float32 on
     an AVX2-only CPU, where emulated bfloat16 would be tens of times slower."""

@@ -1,6 +1,7 @@
 """Configs and datasets: typed validation, overrides, and errors that say where the problem is."""
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,38 @@ def test_unknown_key_names_file_line_and_field(tmp_path):
         load_config(path)
     assert str(path) in str(e.value) and "rollout.temprature (line 7)" in str(e.value)
 
+
+
+def test_extends_merges_over_the_base_and_errors_name_the_file_the_key_came_from(tmp_path):
+    (tmp_path / "base.yaml").write_text(textwrap.dedent("""\
+        output_dir: out
+        total_steps: 2
+        data: {train: x.jsonl}
+        rewards: {components: [{name: accuracy}, {name: tag_format}]}
+        rollout: {group_size: 4, temperature: 0.7}
+        """))
+    child = tmp_path / "sub" / "child.yaml"
+    child.parent.mkdir()
+    child.write_text("extends: ../base.yaml\nrollout: {group_size: 2}\nrewards: {components: [{name: accuracy}]}\n")
+    cfg = load_config(child, ["rollout.temperature=0.5"])
+    assert (cfg.rollout.group_size, cfg.rollout.temperature, cfg.total_steps) == (2, 0.5, 2)  # mappings merged
+    assert [c.name for c in cfg.rewards.components] == ["accuracy"]  # lists replaced
+    (tmp_path / "base.yaml").write_text((tmp_path / "base.yaml").read_text().replace("steps: 2", "steps: many"))
+    with pytest.raises(ConfigError, match=r"child.yaml: invalid config\n  total_steps \(line 2 of .*base.yaml\)"):
+        load_config(child)
+    child.write_text("extends: ../base.yaml\ntotal_steps: -1\n")
+    with pytest.raises(ConfigError, match=r"total_steps \(line 2\)"):
+        load_config(child)
+
+
+def test_an_extends_cycle_fails_naming_the_files(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\noutput_dir: out\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match=r"extends cycle: .*a.yaml -> .*b.yaml -> .*a.yaml"):
+        load_config(tmp_path / "a.yaml")
+    (tmp_path / "b.yaml").write_text("extends: missing.yaml\n")
+    with pytest.raises(ConfigError, match=r"b.yaml: extends .*missing.yaml: cannot read config"):
+        load_config(tmp_path / "a.yaml")
 
 def test_wrong_type_and_bad_override(tmp_path):
     path = write(tmp_path, """\
@@ -117,3 +150,63 @@ def test_tool_actors_count_against_the_cluster_naming_the_tool():
     with pytest.raises(PlacementError, match=r"cluster has 2; .*") as err:
         check_fits(cfg.cluster, {"CPU": 2.0}, others=demand)
     assert "tools.tools.zoom_in: 8 x 1" in str(err.value)
+
+
+def test_a_config_that_sets_the_grammar_s_top_k_is_told_where_it_moved(tmp_path):
+    """Documents per query are one setting, retrieval.search.top_k: the key the grammar once had fails, naming both."""
+    with pytest.raises(ConfigError, match=r"rollout.grammar \(line \d+\): .*top_k is not a grammar key.*"
+                                          r"retrieval.search.top_k"):
+        load_config(QUICKSTART, ["rollout.grammar.top_k=3"])
+    old = tmp_path / "old.yaml"  # a config written while the grammar had the key
+    old.write_text(Path(QUICKSTART).read_text().replace("max_observation_tokens: 96}", "max_observation_tokens: 96, "
+                                                                                       "top_k: 3}"))
+    with pytest.raises(ConfigError, match=r"rollout.grammar \(line \d+\).*top_k is not a grammar key"):
+        load_config(old)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    # no environment call: the first <query> ends the episode before any answer
+    (["rollout.grammar.max_turns=0"], r"rollout.grammar.max_turns 0 allows no environment call"),
+    (["eval={data: [hpo:mcq_test], max_turns: 0}"], r"eval.max_turns 0 allows no environment call"),
+    # tiny: 24-token turns, 96-token observations: a search and an answer need 144 response tokens
+    (["rollout.grammar.max_response_tokens=120"], r"rollout.grammar.max_response_tokens 120 .* need 144"),
+    # 384 prompt tokens + 256 response tokens do not fit a 512-token context
+    (["rollout.max_model_len=512"], r"rollout.max_model_len 512 .*data.max_prompt_tokens 384.* raise it to 640"),
+    # 400-character passages take at least 50 tokens each: a 40-token observation cuts every one
+    (["retrieval.show=passages", "retrieval.passage_chars=400", "rollout.grammar.max_observation_tokens=40"],
+     r"rollout.grammar.max_observation_tokens 40 cuts every hit: .*retrieval.passage_chars 400"),
+])
+def test_a_budget_the_environment_cannot_honour_fails_at_config_time_naming_the_field(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(QUICKSTART, overrides)
+
+
+def test_budgets_that_fit_load_and_a_single_turn_run_needs_no_environment_call():
+    load_config(QUICKSTART, ["rollout.grammar.max_response_tokens=144", "retrieval.show=passages",
+                             "retrieval.passage_chars=400", "rollout.grammar.max_observation_tokens=50"])
+    single = load_config(QUICKSTART, ["rollout.grammar.action_tag=null", "retrieval=null",
+                                      "rollout.grammar.max_turns=0", "rollout.max_model_len=408"])  # 384 + 24 tokens
+    assert single.rollout.grammar.max_turns == 0
+
+
+def test_a_stage_that_breaks_a_budget_is_refused_naming_the_stage(tmp_path):
+    path = tmp_path / "staged.yaml"
+    path.write_text(open(QUICKSTART).read() + textwrap.dedent("""\
+        stages:
+          - {name: warm, steps: 60}
+          - {name: late, steps: 60, set: {rollout.max_new_tokens: 100}}
+        """))
+    with pytest.raises(ConfigError, match=r"stages\[1\] \(late\).*max_response_tokens 256 cannot hold"):
+        load_config(path)
+
+
+def test_a_token_budget_below_the_longest_sequence_and_a_correction_cap_of_one_are_refused():
+    with pytest.raises(ConfigError, match=r"learner.max_tokens_per_micro_batch 512 is smaller than the longest "
+                                          r"sequence a rollout can make \(rollout.max_model_len 1024\)"):
+        load_config("configs/quickstart.yaml", ["learner.max_tokens_per_micro_batch=512"])
+    with pytest.raises(ConfigError, match=r"algorithm.rollout_correction.cap \(command-line override\)"):
+        load_config(QUICKSTART, ["algorithm.rollout_correction.kind=tis", "algorithm.rollout_correction.cap=1.0"])
+    with pytest.raises(ConfigError, match=r"algorithm.rollout_correction.kind"):
+        load_config(QUICKSTART, ["algorithm.rollout_correction.kind=clip"])
+    cfg = load_config(QUICKSTART, ["learner.max_tokens_per_micro_batch=4096", "algorithm.rollout_correction.kind=mis"])
+    assert cfg.learner.max_tokens_per_micro_batch == 4096 and cfg.algorithm.rollout_correction.cap == 2.0

@@ -4,7 +4,8 @@ import time
 
 import pytest
 
-from actors.environment import Episode, EpisodeRunner, Grammar, RetrievalEnvironment
+from actors.environment import Episode, EpisodeRunner, Grammar
+from actors.retrieval_env import RetrievalEnvironment
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,7 @@ def episodes(engine, n=2):
 
 def test_masks_are_exact_and_turn_limit_holds(engine, retriever_cls):
     tok = engine.get_tokenizer()
-    grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=2, top_k=1)
+    grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=2)
     runner = EpisodeRunner(engine.llm_engine, tok, grammar, RetrievalEnvironment(retriever_cls.remote(), 1))
     eps = episodes(engine)
     stats = runner.run(eps, forced(tok, "</query>"))
@@ -118,3 +119,22 @@ def test_killed_retriever_does_not_lose_the_trajectory(engine, retriever_cls):
         except ray.exceptions.ActorUnavailableError:
             assert time.time() < deadline, "the retriever was not restarted"
             time.sleep(0.5)
+
+
+def test_paging_returns_the_next_hits_of_a_query_already_searched():
+    """retrieval.paging: the same query again (case and spacing aside) reads the next top_k hits, numbered on; another
+    query starts at the first page; without paging a repeated query reads the first page again."""
+    from actors.environment import Episode
+    from actors.retrieval_env import RetrievalEnvironment
+    hits = [{"id": i, "title": f"Disease {i}", "text": ""} for i in range(1, 7)]
+    episode = Episode(task={"options": {"A": "Disease 4", "B": "Other"}}, group=0, seed=0, prompt_ids=[])
+    env = RetrievalEnvironment(None, top_k=2, show="titles", link_options=True, paging=True)
+    first = env.observe(episode, "fever, rash", hits, None)
+    assert first.text == "[1] Disease 1\n[2] Disease 2" and first.record["page"] == 1
+    episode.turns.append(first.record)
+    second = env.observe(episode, "Fever,  Rash", hits, None)
+    assert second.text == "[3] Disease 3\n[4] Disease 4 (option A)" and second.record["page"] == 2
+    assert second.record["linked"] == ["A"]
+    assert env.observe(episode, "seizures", hits, None).text.startswith("[1] Disease 1")
+    plain = RetrievalEnvironment(None, top_k=2, show="titles")
+    assert plain.observe(episode, "fever, rash", hits, None).text == "[1] Disease 1\n[2] Disease 2"

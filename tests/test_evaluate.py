@@ -101,16 +101,19 @@ def test_a_checkpoints_evaluation_is_written_outside_it(tmp_path, tiny_model_pat
     assert evaluated_steps(run) == []
 
 
-def test_evaluations_inside_a_run_are_due_at_every_n_and_at_the_end(tmp_path, tiny_model_path):
+def test_evaluations_inside_a_run_are_due_at_every_n_at_each_stage_end_and_at_the_end(tmp_path, tiny_model_path):
     from learners.config import load_config
     from learners.validation import Validator, weights_label
 
     cfg = load_config("configs/quickstart.yaml", ["output_dir=unused", "eval.every=4", "eval.limit=2"])
     validator = Validator(cfg, tmp_path, str(tiny_model_path))
-    total = cfg.total_steps
-    assert [s for s in range(1, total + 1) if validator.due(s)] == [s for s in range(4, total, 4)] + [total]
+    total, cold = cfg.total_steps, cfg.stages[0].steps
+    # the quickstart's eval.at_stage_end: right after the cold start too
+    assert [s for s in range(1, total + 1) if validator.due(s)] == sorted({*range(4, total, 4), cold, total})
     assert len(validator.splits["hpo:mcq_test"]) == 2
-    cold = cfg.stages[0].steps
+    plain = Validator(load_config("configs/quickstart.yaml", ["output_dir=unused", "eval.limit=1"]), tmp_path,
+                      str(tiny_model_path))
+    assert [s for s in range(1, total + 1) if plain.due(s)] == [cold, total]
     assert [weights_label(cfg, s) for s in (0, 1, cold, total)] == \
         ["base", "cold_start step 1", "after cold_start", "after grpo"]
 
@@ -145,3 +148,83 @@ def test_evaluation_can_cap_the_turns_training_allowed():
     medvr = load_config("configs/medvr_cluster.yaml")
     assert medvr.eval.max_turns == 4 and eval_grammar(medvr, grammar) == {"action_tag": "tool_call", "max_turns": 4}
     assert eval_grammar(load_config("configs/quickstart.yaml"), grammar) == grammar
+
+
+def searched(answer: str, linked: list[list[str]] | None) -> Trajectory:
+    """A multiple-choice episode (gold B) whose searches' hits were marked with the options `linked`, turn by turn
+    (None: searches without option links, as with retrieval.link_options off)."""
+    episode = traj(answer, {"answer": "B", "options": {"A": "Gout", "B": "Marfan syndrome", "C": "Rickets"}})
+    episode.turns = [{"query": "q", "chunks": [], **({"linked": letters} if linked is not None else {})}
+                     for letters in (linked or [[]])]
+    return episode
+
+
+def test_the_gold_option_link_rates_and_the_accuracy_split_by_the_first_search():
+    from learners.evaluate import option_links
+
+    episodes = [searched("B", [["B", "C"]]),          # linked in the first search, right
+                searched("A", [["A"], ["B"]]),        # linked only in the second search, wrong
+                searched("C", []),                    # never searched, wrong
+                searched("B", [[]])]                  # searched, nothing linked, right
+    links = option_links(episodes)
+    assert (links["gold_linked"]["mean"], links["gold_linked_first"]["mean"]) == (0.5, 0.25)
+    assert links["accuracy_first_linked"] == {"mean": 1.0, "low": pytest.approx(wilson_interval(1, 1)[0]),
+                                              "high": pytest.approx(1.0), "n": 1}
+    assert links["accuracy_first_unlinked"]["mean"] == pytest.approx(1 / 3)
+    assert links["accuracy_first_unlinked"]["n"] == 3
+    # a split no episode falls in is left out; without option links there is nothing to report
+    assert "accuracy_first_unlinked" not in option_links(episodes[:1])
+    assert option_links([searched("B", None)]) == {}
+    metrics = score(episodes, [SUMMARY])
+    assert metrics["gold_linked"] == links["gold_linked"] and metrics["accuracy"]["n"] == 4
+
+
+def test_the_closing_report_says_what_the_last_stage_added_and_how_the_agent_searched(tmp_path):
+    import json
+
+    from learners.config import load_config
+    from learners.intervals import proportion
+    from learners.validation import closing_report, gain_summary
+
+    cfg = load_config("configs/quickstart.yaml", [f"output_dir={tmp_path}"])
+    cold, total = cfg.stages[0].steps, cfg.total_steps
+    for step, correct in {0: 0, cold: 118, total: 120}.items():
+        where = tmp_path / "eval" / f"step_{step}" / "hpo_mcq_test"
+        where.mkdir(parents=True)
+        links = {"gold_linked": proportion([True] * 115 + [False] * 35),
+                 "gold_linked_first": proportion([True] * 115 + [False] * 35),
+                 "accuracy_first_linked": proportion([True] * 115),
+                 "accuracy_first_unlinked": proportion([True] * (correct - 115) + [False] * (150 - correct))}
+        (where / "eval.json").write_text(json.dumps({
+            "n": 150, "accuracy": proportion([True] * correct + [False] * (150 - correct)),
+            "format_rate": {"mean": 0.99}, "env_calls_per_sample": 1.0 if step else 0.0, **(links if step else {})}))
+    report = closing_report(cfg, tmp_path)
+    assert "### Retrieval behaviour" in report
+    assert f"| hpo:mcq_test | after cold_start (step {cold}) | 76.7% | 76.7% | 100.0% (n=115) | 8.6% (n=35) |" in report
+    assert f"| hpo:mcq_test | after grpo (step {total}) | 76.7% | 76.7% | 100.0% (n=115) | 14.3% (n=35) |" in report
+    assert "| base (step 0) | 0.0%" not in report.split("### Retrieval behaviour")[1]  # the base never searched
+    # 118 -> 120 of 150 right: +1.3 points, each with its Wilson interval
+    assert f"grpo added +1.3 points on hpo:mcq_test: 78.7% [71.4%, 84.5%] after cold_start (step {cold}) -> " \
+           f"80.0% [72.9%, 85.6%] after grpo (step {total})" in report
+    gain = json.loads((tmp_path / "eval.json").read_text())["last_stage_gain"]["hpo:mcq_test"]
+    assert gain["points"] == pytest.approx(100 * 2 / 150) and (gain["before"]["step"], gain["after"]["step"]) == \
+        (cold, total)
+    assert gain_summary(tmp_path) == "grpo added +1.3 points on hpo:mcq_test: 78.7% [71.4%, 84.5%] -> " \
+                                     "80.0% [72.9%, 85.6%]; "
+    # without the evaluation after the cold start there is nothing to compare the final one with
+    (tmp_path / "eval" / f"step_{cold}" / "hpo_mcq_test" / "eval.json").unlink()
+    assert "added" not in closing_report(cfg, tmp_path) and gain_summary(tmp_path) == ""
+
+
+def test_a_search_records_which_options_its_hits_were_marked_with():
+    from actors.environment import Episode
+    from actors.retrieval_env import RetrievalEnvironment
+
+    task = {"answer": "B", "options": {"A": "Gout", "B": "Marfan syndrome"}}
+    hits = [{"id": f"c{i}", "doc_id": f"d{i}", "title": title, "text": "..."}
+            for i, title in enumerate(["Rickets", "marfan  Syndrome", "Gout"])]
+    episode = Episode(task=task, group=0, seed=0, prompt_ids=[1])
+    shown = RetrievalEnvironment(None, top_k=3, show="titles", link_options=True).observe(episode, "q", hits, None)
+    assert shown.record["linked"] == ["B", "A"] and "[2] marfan  Syndrome (option B)" in shown.text
+    unlinked = RetrievalEnvironment(None, top_k=3, show="titles").observe(episode, "q", hits, None)
+    assert "linked" not in unlinked.record

@@ -8,8 +8,7 @@ from learners.expert import phenotypes_of, write_demonstrations
 
 
 def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_model_path, tmp_path):
-    from actors.build_index import ensure_index
-    from actors.environment import retrieval_text
+    from actors.retrieval_env import retrieval_text
     from actors.retriever import LocalRetriever
     from actors.build_index import default_index_dir
     from transformers import AutoTokenizer
@@ -30,7 +29,7 @@ def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_mo
         query = ask["text"].split("<query>")[1].split("</query>")[0]
         assert query.split("; ") == phenotypes_of(task)
         # exactly what RetrievalEnvironment + EpisodeRunner insert: the observation, wrapped and cut
-        hits = retriever.search([query], g.top_k)[0]
+        hits = retriever.search([query], r.search.top_k)[0]
         full = tok.encode(g.wrap_observation(retrieval_text(hits, None)), add_special_tokens=False)
         assert observed["text"] == tok.decode(full[:g.max_observation_tokens], skip_special_tokens=False)
         assert answer["text"].endswith(f"<answer>{task['answer']}</answer>")
@@ -41,7 +40,8 @@ def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_mo
 def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path, tmp_path):
     """retrieval.show=titles + link_options: hits are '[i] title', the gold one marked '(option X)', and the
     demonstration's observation is exactly what RetrievalEnvironment gives a rollout for the same hits."""
-    from actors.environment import Episode, RetrievalEnvironment
+    from actors.environment import Episode
+    from actors.retrieval_env import RetrievalEnvironment
     from actors.retriever import LocalRetriever
     from actors.build_index import default_index_dir
     from transformers import AutoTokenizer
@@ -54,18 +54,18 @@ def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path
 
     g, r = cfg.rollout.grammar, cfg.retrieval
     retriever = LocalRetriever(default_index_dir(r.kb, r.index.kind, r.shards), config=r.search)
-    env = RetrievalEnvironment(retriever, g.top_k, show="titles", link_options=True)
+    env = RetrievalEnvironment(retriever, r.search.top_k, show="titles", link_options=True)
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     for demo in demos[:5]:
         task, (ask, observed, answer) = demo["task"], demo["segments"]
         query = ask["text"].split("<query>")[1].split("</query>")[0]
         episode = Episode(task=task, group=0, seed=0, prompt_ids=[])
-        hits = retriever.search([query], g.top_k)[0]
+        hits = retriever.search([query], r.search.top_k)[0]
         shown = env.observe(episode, query, hits, None).text
         full = tok.encode(g.wrap_observation(shown), add_special_tokens=False)
         assert observed["text"] == tok.decode(full[:g.max_observation_tokens], skip_special_tokens=False)
         lines = shown.splitlines()
-        assert len(lines) == len(hits) == g.top_k
+        assert len(lines) == len(hits) == r.search.top_k
         for rank, (line, hit) in enumerate(zip(lines, hits)):  # a title, maybe linked; never the passage text
             title = f"[{rank + 1}] {hit['title']}"
             assert line in [title] + [f"{title} (option {letter})" for letter in "ABCD"]
@@ -77,3 +77,42 @@ def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path
                         [{"id": "x#0", "title": "Asthma", "text": "wheezing"},
                          {"id": "y#0", "title": "gout ", "text": "joint pain"}], None).text
     assert plain == "[1] Asthma\n[2] gout  (option A)"
+
+
+def test_a_rechecking_expert_reads_the_next_page_as_a_paging_rollout_would_and_answers_from_the_first(tmp_path):
+    """sft.expert_recheck: in that share of demonstrations the expert searches its query again and reads what
+    RetrievalEnvironment's paging shows (the next top_k hits, numbered on), then answers as it would have."""
+    from actors.build_index import default_index_dir
+    from actors.environment import Episode
+    from actors.retrieval_env import RetrievalEnvironment
+    from actors.retriever import LocalRetriever
+    from learners.expert import rechecks
+
+    cfg = load_config("configs/tiny.yaml", ["retrieval.show=titles", "retrieval.link_options=true",
+                                             "retrieval.paging=true"])
+    out = tmp_path / "demos.jsonl"
+    write_demonstrations(cfg, "hpo:mcq_train", out, limit=40, progress=False, recheck=0.5)
+    demos = read_demonstrations(out)
+    paged = [d for d in demos if len(d["segments"]) == 5]
+    assert 0 < len(paged) < len(demos) and all(rechecks(d["task"], 0.5) == (d in paged) for d in demos)
+    r = cfg.retrieval
+    env = RetrievalEnvironment(LocalRetriever(default_index_dir(r.kb, r.index.kind, r.shards), config=r.search),
+                               r.search.top_k, show="titles", link_options=True, paging=True)
+    for demo in paged[:3]:
+        task, (ask, _, again, second, answer) = demo["task"], demo["segments"]
+        query = ask["text"].split("<query>")[1].split("</query>")[0]
+        assert again["text"].split("<query>")[1].split("</query>")[0] == query
+        episode = Episode(task=task, group=0, seed=0, prompt_ids=[])
+        hits = env.retriever.search([query], 2 * r.search.top_k)[0]
+        episode.turns.append(env.observe(episode, query, hits, None).record)
+        shown = env.observe(episode, query, hits, None).text
+        assert shown.startswith(f"[{r.search.top_k + 1}] ") and shown.splitlines()[0] in second["text"]
+        assert answer["text"].endswith(f"<answer>{task['answer']}</answer>")
+
+
+def test_expert_recheck_needs_paging():
+    import pytest
+
+    from learners.config import ConfigError
+    with pytest.raises(ConfigError, match="sft.expert_recheck needs sft.data expert and retrieval.paging"):
+        load_config("configs/quickstart.yaml", ["stages.0.sft.expert_recheck=0.25"])

@@ -26,9 +26,11 @@ def short_quickstart(ray_session, real_model_path, tmp_path_factory):
 def test_the_quickstart_trains_the_real_model_and_reports_base_against_trained(short_quickstart):
     out, report, metrics = short_quickstart
     assert "| hpo:mcq_test | base (step 0) |" in report and "| hpo:mcq_test | after grpo (step 7) |" in report
+    # eval.at_stage_end: the evaluation after the cold start, and what GRPO added to it
+    assert "| hpo:mcq_test | after cold_start (step 6) |" in report and "grpo added " in report
     assert (out / "eval.md").read_text() == report
     steps = json.loads((out / "eval.json").read_text())["splits"]["hpo:mcq_test"]
-    assert sorted(steps) == ["0", "7"] and all(s["n"] == 6 for s in steps.values())
+    assert sorted(steps) == ["0", "6", "7"] and all(s["n"] == 6 for s in steps.values())
     assert steps["0"]["format_rate"]["mean"] == 0.0, "the base model does not know the answer grammar"
     for step in (0, 7):
         samples = (out / "eval" / f"step_{step}" / "hpo_mcq_test" / "samples.jsonl").read_text().splitlines()

@@ -38,7 +38,7 @@ def test_agent_mode_retrieves_and_returns_the_trace(server, client, tiny_model_p
     trace = reply.model_extra["trace"]
     assert [turn["query"] for turn in trace["turns"]] == [QUERY]
     expected = expected_hits(server)
-    assert trace["turns"][0]["chunk_ids"] == expected and expected[0] == "dmd#0"
+    assert [c["id"] for c in trace["turns"][0]["chunks"]] == expected and expected[0] == "dmd#0"
     assert trace["turns"][0]["error"] is None
     assert "<retrieve>" in trace["transcript"] and "Duchenne" in trace["transcript"]
     assert trace["finish"] == "turn_limit" and reply.choices[0].finish_reason == "length"
@@ -66,7 +66,8 @@ def test_agent_mode_streams_each_turn_as_it_ends(server, client, tiny_model_path
     assert [c.get("agent", {}).get("kind") for c in chunks] == [None, "model", "observation", "model", None, None]
     first, observation = chunks[1], chunks[2]
     assert first["choices"][0]["delta"]["reasoning_content"] == "</query>"
-    assert observation["agent"]["query"] == QUERY and observation["agent"]["chunk_ids"] == expected_hits(server)
+    assert observation["agent"]["query"] == QUERY and [c["id"] for c in observation["agent"]["chunks"]] == \
+        expected_hits(server)
     shown = observation["choices"][0]["delta"]["reasoning_content"]
     assert shown.strip().startswith("<retrieve>") and shown.strip().endswith("</retrieve>") and "Duchenne" in shown
     answer, final = chunks[4], chunks[5]

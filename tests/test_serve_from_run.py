@@ -8,7 +8,8 @@ import shutil
 import pytest
 import yaml
 
-from actors.environment import Episode, Grammar, RetrievalEnvironment
+from actors.environment import Episode, Grammar
+from actors.retrieval_env import RetrievalEnvironment
 from learners.expert import cut_observation
 from tasks.schema import option_listing, parse_option_listing
 
@@ -34,7 +35,7 @@ def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_mod
     from serve.agent import retrieval_observer, run_agent
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=1, top_k=2, max_observation_tokens=64)
+    grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=1, max_observation_tokens=64)
     task = {"options": OPTIONS, "answer": "B"}
     # training and evaluation: the rollout workers' RetrievalEnvironment
     env = RetrievalEnvironment(None, top_k=2, show=show, link_options=link, passage_chars=chars)
@@ -54,13 +55,47 @@ def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_mod
     async def search(queries, top_k):
         return [HITS[:top_k]]
 
-    observe = retrieval_observer(search, 2, 5, show=show,
-                                 options=parse_option_listing(option_listing(OPTIONS)) if link else None,
-                                 passage_chars=chars)
+    observe = retrieval_observer(search, env, 5, options=parse_option_listing(option_listing(OPTIONS)))
     served = asyncio.run(run_agent(generate, observe, tokenizer, grammar, [1], max_tokens=64, max_model_len=512,
                                    stop=[], seed=0, timeout_s=5))
     assert served.answer == "B"
     assert served.transcript == "<query>tall</query>" + expected + "<answer>B</answer>"
+    # one turn record: training's (query, error, chunks; linked with link_options)
+    assert served.turns == [env.observe(Episode(task=task, group=0, seed=0, prompt_ids=[1]), "tall", HITS, None).record]
+
+
+def test_served_paging_is_training_paging(tiny_model_path):
+    """retrieval.paging: a repeated query returns the next top_k hits, served as in training (the same environment
+    decides the depth searched, the hits shown, their numbering and the turn records)."""
+    from transformers import AutoTokenizer
+
+    from serve.agent import retrieval_observer, run_agent
+    from serve.config import AgentSettings, agent_from_run, retrieval_environment
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    grammar = Grammar(action_tag="query", observation_tag="retrieve", max_turns=2, max_observation_tokens=64)
+    agent = agent_from_run(AgentSettings(index_dir="index"), {"retrieval": {"paging": True, "search": {"top_k": 1}}})
+    env = retrieval_environment(agent, agent.retrieval["top_k"])
+    assert (env.paging, env.top_k, env.show) == (True, 1, "passages")  # unset: training's default
+    asked = []
+    turns = iter(["<query>tall</query>", "<query>Tall </query>", "<answer>B</answer>"])
+
+    async def generate(ids, images, budget, stops, seed):
+        text = next(turns)
+        return text, tokenizer.encode(text, add_special_tokens=False), text[text.rindex("</"):], [0.0] * 4
+
+    async def search(queries, top_k):
+        asked.append(top_k)
+        return [HITS[:top_k]]
+
+    served = asyncio.run(run_agent(generate, retrieval_observer(search, env, 5), tokenizer, grammar, [1],
+                                   max_tokens=64, max_model_len=512, stop=[], seed=0, timeout_s=5))
+    episode = Episode(task={}, group=0, seed=0, prompt_ids=[1])
+    for query in ("tall", "Tall"):
+        episode.turns.append(env.observe(episode, query, HITS, None).record)
+    assert asked == [1, 2] and served.turns == episode.turns
+    assert [t["page"] for t in served.turns] == [1, 2] and served.turns[1]["chunks"][0]["id"] == "homo#0"
+    assert "[2] Homocystinuria" in served.transcript
 
 
 # ---------------------------------------------------------------- the settings a run leaves with its checkpoint -----
@@ -100,7 +135,7 @@ def test_agent_mode_follows_the_run_that_wrote_the_checkpoint(trained, bm25_inde
     agent = resolved(checkpoint=str(trained)).agent
     assert agent.enabled and agent.index_dir == str(bm25_index.resolve())
     assert (agent.show, agent.link_options) == ("titles", True)
-    assert agent.grammar.action_tag == "query" and agent.grammar.top_k == 4
+    assert agent.grammar.action_tag == "query" and agent.retrieval["top_k"] == 4  # the run's search setting
     assert agent.grammar.max_observation_tokens == 224  # the quickstart's
     assert agent.retrieval["mode"] == "sparse"
     # explicit settings override the run's
@@ -108,6 +143,20 @@ def test_agent_mode_follows_the_run_that_wrote_the_checkpoint(trained, bm25_inde
                                                  "agent.passage_chars": "200"}).agent
     assert (agent.show, agent.link_options, agent.passage_chars) == ("passages", False, 200)
     assert resolved(checkpoint=str(trained), **{"agent.enabled": "false"}).agent.enabled is False
+
+
+def test_documents_per_query_are_the_search_setting_even_for_a_run_that_kept_them_in_its_grammar():
+    """retrieval.search.top_k is the one setting; a run written while the grammar had a top_k key still serves."""
+    from serve.config import AgentSettings, agent_from_run
+
+    run = {"retrieval": {"index_dir": "/idx", "search": {"mode": "sparse", "top_k": 4}},
+           "rollout": {"grammar": {"action_tag": "query", "observation_tag": "retrieve", "top_k": 4}}}
+    agent = agent_from_run(AgentSettings(), run)
+    assert agent.retrieval == {"mode": "sparse", "top_k": 4} and agent.grammar.action_tag == "query"
+    assert agent_from_run(AgentSettings(retrieval={"top_k": 2}), run).retrieval == {"top_k": 2}
+    assert agent_from_run(AgentSettings(retrieval={"mode": "sparse"}), run).retrieval == {"top_k": 4, "mode": "sparse"}
+    with pytest.raises(ValueError, match=r"top_k is not a grammar key.*retrieval.search.top_k"):
+        AgentSettings.model_validate({"grammar": {"action_tag": "query", "top_k": 3}})
 
 
 def test_a_bm25_index_is_searched_sparse_unless_another_mode_is_asked_for(tiny_model_path, bm25_index):

@@ -77,6 +77,7 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     from actors.image_tokens import ImageTokens
     from actors.image_index import LocalImageRetriever, ensure_image_index
     from actors.rollout_worker import chat_prompt_ids
+    from actors.retrieval_env import RetrievalEnvironment
     from serve.agent import Cdir, retrieval_observer, run_agent
 
     tokenizer = AutoTokenizer.from_pretrained(vl_model_path)
@@ -99,7 +100,8 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
 
     with Image.open(scan) as image:
         request_image = image.convert("RGB")
-    result = asyncio.run(run_agent(generate, retrieval_observer(search, 3, 60), tokenizer, grammar, prompt,
+    observe = retrieval_observer(search, RetrievalEnvironment(None, top_k=3), 60)
+    result = asyncio.run(run_agent(generate, observe, tokenizer, grammar, prompt,
                                    images=[request_image], vision=vision, max_tokens=64, max_model_len=512, stop=[],
                                    seed=0, timeout_s=60, cdir=Cdir(request_image, search_images)))
     hit = retriever.search([str(scan)], 1)[0][0]

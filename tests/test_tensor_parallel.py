@@ -55,11 +55,11 @@ def test_the_dry_run_counts_a_gpu_per_shard_on_one_node():
 
 
 def test_a_serve_replica_with_fewer_gpus_than_shards_is_refused_naming_the_option():
-    from serve.config import EngineSettings
+    from serve.config import ServeEngineSettings
     from serve.engine import start_engine
 
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 needs 2 GPUs.*num_gpus: 2 in the ChatServer"):
-        start_engine("unused", EngineSettings(tensor_parallel_size=2), "cuda", num_cpus=4, num_gpus=1)
+        start_engine("unused", ServeEngineSettings(tensor_parallel_size=2), "cuda", num_cpus=4, num_gpus=1)
 
 
 @pytest.mark.slow

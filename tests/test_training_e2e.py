@@ -38,6 +38,11 @@ def test_run_writes_metrics_checkpoints_and_stays_faithful(three_steps, tiny_mod
     # ... and after every sync the engine's log-probabilities equal the learner's.
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
     assert any(m["grad_norm"] > 0 for m in metrics)
+    # the engine (float32) and the learner agree up to rounding on every token trained on ...
+    assert all(m["mismatch/kl"] < 1e-6 and m["mismatch/max_ratio"] < 1.01 for m in metrics)
+    # ... and each role's peak memory is logged every step
+    for role in ("learner", "rollout", "reward"):
+        assert all(0.1 < m[f"memory/{role}_peak_gb"] < 20 for m in metrics), role
     # the first step reports the run's start-up, phase by phase; later steps do not repeat it
     phases = {k: v for k, v in metrics[0].items() if k.startswith("startup/") and k != "startup/total_s"}
     assert {"startup/learners_s", "startup/rollout_workers_s"} <= phases.keys() and all(v >= 0 for v in phases.values())
@@ -102,6 +107,20 @@ def test_mini_batches_make_several_optimizer_steps_per_rollout_batch(ray_session
     assert any(m["grad_norm"] > 0 for m in metrics)
 
 
+def test_a_bfloat16_engine_is_measured_and_corrected_by_truncated_importance_sampling(ray_session, tiny_model_path,
+                                                                                      tmp_path):
+    """rollout.dtype=bfloat16 beside a float32 learner: the engine-vs-learner mismatch shows in `mismatch/*`, and
+    with TIS over several optimizer steps a batch (the learner's behaviour log-probabilities computed before the
+    first update) the run trains."""
+    metrics = run(tmp_path, "rollout.dtype=bfloat16", "algorithm.rollout_correction.kind=tis",
+                  "learner.mini_batch_size=8", "algorithm.updates_per_batch=2", "total_steps=2",
+                  "rollout.fidelity_check_every=0", "checkpoint.every=10")
+    for m in metrics:
+        assert m["optimizer_steps"] == 4 and m["grad_norm"] > 0
+        assert m["mismatch/kl"] > 1e-5 and m["mismatch/max_ratio"] > 1.01
+        assert 0 <= m["mismatch/corrected_fraction"] <= 1
+
+
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(ray_session, tiny_model_path, tmp_path):
     """The tiny random model rarely earns any reward, so most groups are flat: extra rounds are generated (at most
     max_extra_rounds) while the next step's rollouts are already in flight (one_step_off), and each step still
@@ -112,6 +131,8 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups(ray_session,
     for m in metrics:
         assert 1 <= m["extra_generation_rounds"] <= 2 and m["groups_filtered"] >= 1
         assert 0 <= m["groups_padded"] <= 4
+        # the reward columns are over every round's groups; those of the groups kept for training carry _kept
+        assert {"reward_mean", "accuracy", "reward_mean_kept", "accuracy_kept"} <= m.keys()
 
 
 def sampled_trajectories(worker, n: int = 4) -> list:

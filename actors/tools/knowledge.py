@@ -18,7 +18,7 @@ class RetrieveKnowledge(BaseTool):
         """Every query of the batch in one search call."""
         import ray
 
-        from actors.environment import retrieval_text
+        from actors.retrieval_env import retrieval_text
 
         queries = [call.args.query for call in calls]
         search = getattr(self.retriever, "search_async", None)

@@ -1,0 +1,98 @@
+"""Retrieval as the policy meets it: hits rendered as the observation ("[i] title: passage", titles only, options
+linked), and the RetrievalEnvironment that serves a batch of queries from Retriever actors, with paging. Training's
+rollouts and serving's agent both show and record a search through it."""
+from __future__ import annotations
+
+from actors.environment import Environment, Episode, Observation
+
+
+def retrieval_text(hits: list[dict] | None, error: str | None, *, show: str = "passages",
+                   options: dict[str, str] | None = None, passage_chars: int | None = None,
+                   first_rank: int = 0) -> str:
+    """Retrieved chunks as the policy reads them, or the failure it must reason around.
+
+    show "passages": "[i] title: text" per hit, the text cut after `passage_chars` characters (at a word, marked
+    " ...") when given, so that every hit fits a short observation; "titles": "[i] title" only.
+    options (a multiple-choice question's {letter: text}): a hit whose title is an option's text is marked
+    "(option X)", i.e. the retrieved documents are linked to the candidate answers. `first_rank`: the rank of the
+    first hit less one (a later page of results numbers on).
+    """
+    if error is not None:
+        return f"retrieval failed ({error}); continue without it"
+    lines = (hit_header(first_rank + i, d, options) +
+             (f": {passage(d['text'], passage_chars)}" if show == "passages" else "") for i, d in enumerate(hits))
+    return "\n".join(lines) or "no results"
+
+
+def passage(text: str, chars: int | None) -> str:
+    """`text`, or its first `chars` characters up to the last whole word, marked " ..."."""
+    if chars is None or len(text) <= chars:
+        return text
+    return text[:chars].rsplit(" ", 1)[0] + " ..."
+
+
+def linked_option(hit: dict, options: dict[str, str] | None) -> str | None:
+    """The letter of the option whose text is the hit's title (case and spacing ignored), or None."""
+    letters = {" ".join(text.lower().split()): letter for letter, text in (options or {}).items()}
+    return letters.get(" ".join(hit.get("title", "").lower().split()))
+
+
+def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> str:
+    """'[rank+1] title', plus '(option X)' when the title is option X's text (`linked_option`)."""
+    letter = linked_option(hit, options)
+    return f"[{rank + 1}] {hit.get('title', '')}" + (f" (option {letter})" if letter else "")
+
+
+class RetrievalEnvironment(Environment):
+    """Queries go to a :class:`~actors.retriever.Retriever` actor (or a ShardedRetriever) in one batched call;
+    each turn records the query and the retrieved chunks (ids and text), and with `link_options` on a multiple-choice
+    task the letters its hits were marked with (`linked`, in rank order). `show`, `link_options` and `passage_chars`
+    shape the observation (:func:`retrieval_text`). With `paging`, a query the episode already searched returns
+    the next `top_k` hits (as a search engine's next page), numbered on; the turn records its `page` (1, 2, ...)."""
+    role = "retriever"
+
+    def __init__(self, retriever, top_k: int, timeout_s: float = 60.0, show: str = "passages",
+                 link_options: bool = False, passage_chars: int | None = None, paging: bool = False):
+        self.retriever, self.top_k, self.timeout_s = retriever, top_k, timeout_s
+        self.show, self.link_options, self.passage_chars, self.paging = show, link_options, passage_chars, paging
+
+    def page(self, turns: list[dict], action: str) -> int:
+        """Which page of `action`'s results an episode whose turn records are `turns` gets now, from 0: with paging,
+        the times it searched the same query before (case and spacing ignored); else 0."""
+        if not self.paging:
+            return 0
+        query = " ".join(action.lower().split())
+        return sum(" ".join((t.get("query") or "").lower().split()) == query for t in turns)
+
+    def depth(self, turns: list[dict], action: str) -> int:
+        """How many hits to search for `action` so that its current page is among them."""
+        return self.top_k * (1 + self.page(turns, action))
+
+    def call(self, episodes: list[Episode], actions: list[str]) -> list:
+        depth = max(self.depth(e.turns, a) for e, a in zip(episodes, actions))
+        search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
+        ref = search(actions, depth) if search else self.retriever.search.remote(actions, depth)
+        return [(ref, i) for i in range(len(actions))]
+
+    def observe(self, episode: Episode, action: str, result, error: str | None) -> Observation:
+        return self.observation(episode.turns, episode.task.get("options"), action, result, error)
+
+    def observation(self, turns: list[dict], options: dict[str, str] | None, action: str, result,
+                    error: str | None) -> Observation:
+        """The observation of `action`'s search `result` (hits in rank order, at least `depth` of them when there
+        are; None with `error`) for an episode whose turn records are `turns`, on a task with `options` (a
+        multiple-choice question's {letter: text}, or None): what training and serving both show and record."""
+        first = self.page(turns, action) * self.top_k
+        hits = result[first:first + self.top_k] if result is not None else None
+        record = {"query": action, "error": error,
+                  "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
+        if self.paging:
+            record["page"] = first // self.top_k + 1
+        options = options if self.link_options else None
+        if options:  # what the policy was shown linked: the evaluation's gold-option link rates read it
+            record["linked"] = [letter for d in hits or [] if (letter := linked_option(d, options))]
+        return Observation(retrieval_text(hits, error, show=self.show, options=options,
+                                          passage_chars=self.passage_chars, first_rank=first), record)
+
+    def actors(self) -> list:
+        return list(getattr(self.retriever, "actors", [self.retriever]))

@@ -1,0 +1,69 @@
+"""Where the expert's search first links a multiple-choice option, page by page: the headroom of search behaviour.
+
+    python benchmarks/bench_link_depth.py [--limit 500] [--depth 50] [key=value ...]
+
+For the first --limit questions of hpo:mcq_test and hpo:mcq_train, the quickstart's retrieval (BM25 over the HPO
+knowledge base, retrieval.show=titles, link_options) searched with the scripted expert's query (the case's phenotypes)
+down to --depth hits, in pages of retrieval.search.top_k: how many questions link an option on page 1 (and whether it
+is the gold one), how many link one first on page 2, 3, ... (gold or not), and how many link none in the whole depth.
+A policy that answers page 1's first linked option and otherwise guesses scores (page1_gold + unlinked / 4) / n; one
+that pages on (retrieval.paging) while nothing is linked and answers the first link it sees scores (page1_gold +
+later pages' gold + none / 4) / n. Writes
+benchmarks/results/link_depth.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def first_links(tasks: list[dict], hits: list[list[dict]], page: int) -> dict[str, int]:
+    """Counts by where the first linked option lies: `page<n>_gold`, `page<n>_wrong`, or `none`."""
+    from actors.retrieval_env import linked_option
+    counts: dict[str, int] = {}
+    for task, found in zip(tasks, hits):
+        first = next(((rank, letter) for rank, h in enumerate(found)
+                      if (letter := linked_option(h, task["options"]))), None)
+        key = "none" if first is None else \
+            f"page{first[0] // page + 1}_{'gold' if first[1] == task['answer'] else 'wrong'}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--limit", type=int, default=500)
+    parser.add_argument("--depth", type=int, default=50)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from actors.retriever import LocalRetriever
+    from benchmarks.common import report
+    from learners.config import load_config
+    from learners.data import load_tasks
+    from learners.expert import expert_query
+    from learners.services import ensure_run_index
+
+    cfg = load_config("configs/quickstart.yaml", args.overrides)
+    retriever = LocalRetriever(ensure_run_index(cfg), config=cfg.retrieval.search)
+    page = cfg.retrieval.search.top_k
+    rows = []
+    for split in ("hpo:mcq_test", "hpo:mcq_train"):
+        tasks = load_tasks(split)[:args.limit]
+        counts = first_links(tasks, retriever.search([expert_query(t) for t in tasks], args.depth), page)
+        pages = sorted({k.split("_")[0] for k in counts if k != "none"})
+        later_gold = sum(v for k, v in counts.items() if k.endswith("_gold") and not k.startswith("page1_"))
+        unlinked = len(tasks) - counts.get("page1_gold", 0) - counts.get("page1_wrong", 0)
+        rows.append({"split": split, "n": len(tasks), "page_size": page, **dict(sorted(counts.items())),
+                     "first_page_policy_accuracy": (counts.get("page1_gold", 0) + unlinked / 4) / len(tasks),
+                     "paging_policy_accuracy": (counts.get("page1_gold", 0) + later_gold
+                                                + counts.get("none", 0) / 4) / len(tasks),
+                     "pages_with_links": len(pages)})
+    report("link_depth", rows)
+
+
+if __name__ == "__main__":
+    main()
