@@ -35,7 +35,8 @@ def phenotypes_of(task: dict) -> list[str]:
     question = [m for m in task["messages"] if m["role"] == "user"][-1]["content"]
     if isinstance(question, list):
         question = " ".join(part.get("text", "") for part in question if isinstance(part, dict))
-    listed = question.split(":", 1)[1].split(". Which", 1)[0] if ":" in question else question
+    listed = question.split(":", 1)[1].split(". ", 1)[0] if ":" in question else question
+    listed = listed.split(". Which", 1)[0].rstrip(".")
     return [p.strip() for p in listed.split(";") if p.strip()]
 
 

@@ -19,9 +19,10 @@ Multiple choice: four options, distractors by the world's rule (``HPOTaskBuilder
 most similar by Jaccard of annotated phenotypes, none accounting for every phenotype shown; near and far balanced),
 drawn only from the case's split (every annotated disease of that split, one per name). Open-ended: name the disease,
 up to three ranked (``answer_type: ranked``; graded top-1 / top-3 by name variants, the phenopacket's label and the
-id). A question shows the sex and onset when given, the observed phenotypes and the excluded ones as "no X", at most
-MAX_OBSERVED and MAX_EXCLUDED of each in the file's order: caps that keep a prompt near 450 tokens, not tuned to any
-split.
+id). A question reads as the HPO world's do ("... has: A; B. Which rare disease is most likely?"), with the sex and
+onset when given and the excluded phenotypes in a sentence of their own ("Absent: C; D."): at most MAX_OBSERVED
+observed ones, the world's largest question (``MIN_CLUES``), and MAX_EXCLUDED excluded ones, in the file's order, so a
+policy trained on the world's questions meets lists of the lengths it knows.
 """
 from __future__ import annotations
 
@@ -39,16 +40,17 @@ from tasks.build_hpo import DEFAULTS as WORLD_DEFAULTS, WORLD_FORMAT
 from tasks.extras import installed_version
 from tasks.files import building_dir, file_lock, sha256_file, verify_manifest
 from tasks.hpo import Disease, cache_dir, load_hpo_snapshot
-from tasks.hpo_tasks import DISTRACTOR_STRATA, LETTERS, HPOTaskBuilder, _balanced, _norm, system_message
+from tasks.hpo_tasks import (DISTRACTOR_STRATA, LETTERS, MIN_CLUES, HPOTaskBuilder, _balanced, _norm,
+                              system_message)
 from tasks.knowledge_base import KnowledgeBase, name_variants
 from tasks.phenopackets import MALFORMED, Case, PhenopacketError, Skip, read_cases, source_digest
 from tasks.schema import Message, Task, option_listing, write_tasks
 
 #: Bump when the generated tasks change for the same source, so cached builds are rebuilt.
-TASKS_FORMAT = 1
+TASKS_FORMAT = 2
 SPLITS = ("mcq_train", "mcq_test", "open_train", "open_test")
-MAX_OBSERVED = 25
-MAX_EXCLUDED = 10
+MAX_OBSERVED = MIN_CLUES
+MAX_EXCLUDED = 3
 EXAMPLES = 3  # skipped files named per reason in the report
 _SERIES_WORDS = frozenset("type types group subtype complementation form".split())
 
@@ -172,14 +174,16 @@ class PhenopacketTaskBuilder:
                     metadata={**self._metadata(case, "phenopacket_diagnosis_open", split), "answer_type": "ranked"})
 
     def question(self, case: Case) -> str:
-        """"A female patient with congenital onset has: A; B; no C. Which rare disease is most likely?" (the list
-        after the first colon, as the HPO world's questions, so the scripted expert queries the same way)."""
+        """"A female patient with congenital onset has: A; B. Absent: C. Which rare disease is most likely?" (the
+        observed list after the first colon, as the HPO world's questions, so the scripted expert queries the same
+        way)."""
         observed, excluded = self._shown(case)
-        shown = [self.terms[h].name for h in observed] + [f"no {self.terms[h].name}" for h in excluded]
         article = "An" if (case.sex or "patient")[0] in "aeiou" else "A"
         who = " ".join(w for w in (article, case.sex, "patient") if w)
         onset = f" with {case.onset}" if case.onset else ""
-        return f"{who}{onset} has: {'; '.join(shown)}. Which rare disease is most likely?"
+        absent = f" Absent: {'; '.join(self.terms[h].name for h in excluded)}." if excluded else ""
+        return (f"{who}{onset} has: {'; '.join(self.terms[h].name for h in observed)}.{absent} "
+                f"Which rare disease is most likely?")
 
     @staticmethod
     def _shown(case: Case) -> tuple[list[str], list[str]]:
