@@ -39,7 +39,7 @@ def test_run_writes_metrics_checkpoints_and_stays_faithful(three_steps, tiny_mod
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
     assert any(m["grad_norm"] > 0 for m in metrics)
     # the engine (float32) and the learner agree up to rounding on every token trained on ...
-    assert all(m["mismatch/kl"] < 1e-6 and m["mismatch/max_ratio"] < 1.01 for m in metrics)
+    assert all(m["mismatch/kl"] < 1e-8 and m["mismatch/max_ratio"] < 1.001 for m in metrics)
     # ... and each role's peak memory is logged every step
     for role in ("learner", "rollout", "reward"):
         assert all(0.1 < m[f"memory/{role}_peak_gb"] < 20 for m in metrics), role
@@ -113,12 +113,15 @@ def test_a_bfloat16_engine_is_measured_and_corrected_by_truncated_importance_sam
     with TIS over several optimizer steps a batch (the learner's behaviour log-probabilities computed before the
     first update) the run trains."""
     metrics = run(tmp_path, "rollout.dtype=bfloat16", "algorithm.rollout_correction.kind=tis",
-                  "learner.mini_batch_size=8", "algorithm.updates_per_batch=2", "total_steps=2",
+                  "learner.mini_batch_size=8", "algorithm.updates_per_batch=2",
                   "rollout.fidelity_check_every=0", "checkpoint.every=10")
     for m in metrics:
-        assert m["optimizer_steps"] == 4 and m["grad_norm"] > 0
-        assert m["mismatch/kl"] > 1e-5 and m["mismatch/max_ratio"] > 1.01
+        assert m["optimizer_steps"] == 4
+        # bfloat16 rounding of a tiny random model: far above the float32 engine's (test above), far below a cap of 2
+        assert m["mismatch/kl"] > 1e-7 and m["mismatch/max_ratio"] > 1.002
         assert 0 <= m["mismatch/corrected_fraction"] <= 1
+    # a step whose groups all scored alike has no advantage and so no gradient; some step of the run has one
+    assert any(m["grad_norm"] > 0 for m in metrics)
 
 
 def test_dynamic_sampling_refills_the_batch_with_informative_groups(ray_session, tiny_model_path, tmp_path):
