@@ -77,8 +77,9 @@ class LearnerGroup:
                                              stage_cfg.learner.mini_batch_size) for r in self.ranks],
                              f"a {objective} step")
         summed = {k: sum(p[k] for p in per_rank) for k in ("loss", "mask_sum", "clip_sum", "kl_sum", "entropy_sum",
-                                                             "tokens", "mismatch_k3_sum", "mismatch_tokens",
+                                                             "mismatch_k3_sum", "mismatch_tokens",
                                                              "mismatch_corrected_sum")}
+        tokens = sum(p["tokens"] for p in per_rank)
         # Each rank's loss is its share of a mini-batch loss; per optimizer step they add up to it.
         summed["loss"] /= per_rank[0]["optimizer_steps"]
         mismatch = {}
@@ -88,7 +89,7 @@ class LearnerGroup:
                         "mismatch/corrected_fraction": summed["mismatch_corrected_sum"] / summed["mismatch_tokens"]}
         seconds = max(p["seconds"] for p in per_rank)
         return {**summed, **mismatch, **peak_memory("learner", [p["peak_memory_gb"] for p in per_rank]),
-                "learner_tokens": summed["tokens"], "learner_tokens_per_s": summed["tokens"] / seconds,
+                "learner_tokens": tokens, "learner_tokens_per_s": tokens / seconds,
                 "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
                 "optimizer_steps": per_rank[0]["optimizer_steps"], "seconds": seconds}
 
