@@ -4,10 +4,11 @@
 
 Nothing is started and no GPU is needed, so a cluster config is checked on a laptop. Placement follows the
 trainer's: one placement group per role, bundle i of a role for actor i, packed onto nodes in role order (Ray's PACK
-strategy). Memory is the standard mixed-precision accounting (Rajbhandari et al. 2020, ZeRO): per parameter 2 bytes
-of bf16/fp16 weights and 2 of gradients, plus 12 of fp32 master weights and Adam moments (fp32 training: 4 + 4 + 8);
-ZeRO-2 partitions gradients and optimizer state over the ranks, ZeRO-3 the weights too. Activations and the CUDA
-context are not included: leave headroom.
+strategy). GPU memory is the standard mixed-precision accounting (`learners.memory_plan.learner_bytes`); activations
+and the CUDA context are not included there: leave headroom. A run without GPUs gets each role's host memory,
+activations included (`learners.memory_plan`), and fails the dry run when it cannot fit the machine.
+
+    python learners/run.py --config configs/quickstart.yaml --dry-run [--node-memory-gb 24]
 """
 from __future__ import annotations
 
@@ -16,14 +17,15 @@ import math
 from pathlib import Path
 
 from learners.config import RunConfig
+from learners.memory_plan import fit_problems, host_plan, learner_bytes, phase_totals
 from tasks.model_aliases import resolve_model
 
 GiB = 2**30
 
 
-def parameter_count(cfg: RunConfig) -> tuple[int, str]:
-    """(parameters, where the number came from): the model's config.json built on the meta device (no weights
-    read), else `model.size_hint_b`, else the tiny model's config."""
+def model_size(cfg: RunConfig) -> tuple[int, str, object | None]:
+    """(parameters, where the number came from, the model's transformers config or None): the model's config.json
+    built on the meta device (no weights read), else `model.size_hint_b` (no config), else the tiny model's config."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
@@ -31,7 +33,7 @@ def parameter_count(cfg: RunConfig) -> tuple[int, str]:
     if path and (Path(path) / "config.json").is_file():
         config, source = AutoConfig.from_pretrained(path), f"{path}/config.json"
     elif cfg.model.path and cfg.model.size_hint_b:
-        return int(cfg.model.size_hint_b * 1e9), f"model.size_hint_b ({cfg.model.path} is not readable here)"
+        return int(cfg.model.size_hint_b * 1e9), f"model.size_hint_b ({cfg.model.path} is not readable here)", None
     elif cfg.model.path:
         raise FileNotFoundError(f"model.path {cfg.model.path} is not readable here: set model.size_hint_b (billions of "
                                 f"parameters) for the dry run's memory estimate")
@@ -41,17 +43,7 @@ def parameter_count(cfg: RunConfig) -> tuple[int, str]:
     cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
         model = cls.from_config(config)
-    return sum(p.numel() for p in model.parameters()), source
-
-
-def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, reference: bool) -> float:
-    """Bytes per learner rank for weights, gradients and Adam state under ZeRO-`zero_stage` over `ranks`."""
-    half = dtype in ("bfloat16", "float16")
-    weights, grads, optim = (2, 2, 12) if half else (4, 4, 8)
-    # ZeRO-1 partitions the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too
-    per_param = (weights if zero_stage < 3 else weights / ranks) + (grads if zero_stage == 1 else grads / ranks) \
-        + optim / ranks
-    return params * (per_param + (weights if reference else 0))
+    return sum(p.numel() for p in model.parameters()), source, config
 
 
 def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int,
@@ -76,12 +68,16 @@ def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int,
     return plan
 
 
-def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0) -> dict:
+def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
+            node_memory_gb: float | None = None) -> dict:
+    """The run's stages, placement and memory. A run without GPUs also gets each role's host memory
+    (`learners.memory_plan`) against a machine of `node_memory_gb` (default: this one's): `errors` when it cannot
+    fit, `warnings` when it may pass Ray's memory threshold."""
     from learners.services import service_roles, tool_demand
     from cluster.placement import ROLES
 
     roles = ROLES + service_roles(cfg)
-    params, source = parameter_count(cfg)
+    params, source, model_config = model_size(cfg)
     stages = [{"name": s.name, "kind": s.kind, "steps": s.steps, **({"set": s.set} if s.set else {})}
               for s in cfg.stage_plan()]
     kl = any(cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
@@ -108,7 +104,15 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0)
         warnings.append(f"rollout: the weights alone ({weight_bytes / shards / GiB:.1f} GiB per shard) leave little "
                         f"or no KV cache in gpu_memory_utilization x {gpu_memory_gb:g} GiB; raise "
                         f"rollout.gpu_memory_utilization or cluster.rollout.tensor_parallel_size")
-    return {"parameters": params, "parameters_from": source, "stages": stages,
+    host, errors = [], []
+    if not any(row["gpus"] for row in placement) and model_config is not None:
+        import psutil
+        node_memory_gb = node_memory_gb or psutil.virtual_memory().total / 1e9
+        host = host_plan(cfg, params, model_config, roles)
+        errors, host_warnings = fit_problems(host, node_memory_gb)
+        warnings += host_warnings
+    return {"parameters": params, "parameters_from": source, "stages": stages, "host": host,
+            "node_memory_gb": node_memory_gb, "errors": errors,
             "gpus": sum(row["gpu_share"] for row in placement), "nodes": 1 + max(
                 [row["node"] for row in placement if row["node"] is not None], default=0),
             "learner_gib_per_rank": round(learner / GiB, 1), "rollout_gib_per_worker": round(per_role["rollout"], 1),
@@ -125,5 +129,16 @@ def print_plan(plan: dict) -> None:
         print(f"{row['actor']:<14} {'' if row['node'] is None else row['node']:>4} {gpus or '-':<12} "
               f"{row['cpus']:>5g} {'' if row['memory_gib'] is None else row['memory_gib']:>9}")
     print(f"total: {plan['gpus']:g} GPUs on {plan['nodes']} node(s)")
+    if plan["host"]:
+        print(f"host memory, GB an actor (a {plan['node_memory_gb']:.1f} GB machine; learners at one sequence of "
+              f"max_model_len a micro-batch = floor, at the token budget = budget):")
+        print(f"{'role':<14} {'actors':>6} {'resident':>9} {'floor':>7} {'budget':>7}")
+        for row in plan["host"]:
+            print(f"{row['role']:<14} {row['num']:>6} {row['resident_gb']:>9.1f} {row['floor_gb']:>7.1f} "
+                  f"{row['peak_gb']:>7.1f}")
+        print(f"{'total':<14} {'':>6} {phase_totals(plan['host'], 'resident_gb'):>9.1f} "
+              f"{phase_totals(plan['host'], 'floor_gb'):>7.1f} {phase_totals(plan['host'], 'peak_gb'):>7.1f}")
     for w in plan["warnings"]:
         print(f"warning: {w}")
+    for e in plan["errors"]:
+        print(f"error: {e}")

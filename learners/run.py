@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print stages, placement and memory; start nothing")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="dry run: GPUs per cluster node")
     parser.add_argument("--gpu-memory-gb", type=float, default=80.0, help="dry run: memory of one GPU")
+    parser.add_argument("--node-memory-gb", type=float, default=None,
+                        help="dry run of a CPU run: the machine's memory (default: this machine's)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -34,11 +36,12 @@ def main(argv: list[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         from learners.dry_run import dry_run, print_plan
         try:
-            print_plan(dry_run(cfg, args.gpus_per_node, args.gpu_memory_gb))
+            plan = dry_run(cfg, args.gpus_per_node, args.gpu_memory_gb, args.node_memory_gb)
         except FileNotFoundError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        return 0
+        print_plan(plan)
+        return 2 if plan["errors"] else 0
     from learners import console
     from learners.learner_group import LearnerRankFailed
     from learners.trainer import Trainer

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from learners.config import load_config
-from learners.dry_run import device_plan, dry_run, learner_bytes
+from learners.dry_run import device_plan, dry_run
+from learners.memory_plan import learner_bytes
 
 RUN_CONFIGS = sorted(p for p in Path("configs").glob("*.yaml") if not p.name.startswith("serve"))
 # Max |engine - learner| logprob on identical weights, kernel rounding alone (README *Fidelity*; CPU, sharp tiny model).

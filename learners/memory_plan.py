@@ -1,0 +1,190 @@
+"""Host memory (RAM) of a CPU run, estimated per role from its config before anything starts, and whether the roles
+fit one machine under Ray's memory monitor (which kills a worker when the node's used memory passes
+`RAY_memory_usage_threshold`, default 0.95).
+
+A learner rank holds its process, its share of weights, gradients and Adam state (`learner_bytes`)
+plus DeepSpeed's flat buffers and the gathered copy weight sync sends (BUFFER_BYTES_PER_PARAM), and at its peak one
+micro-batch's activations kept for backward (ACTIVATION_FLOATS x hidden per token and layer; with gradient
+checkpointing only each layer's input plus one layer's full set) and one logit chunk with its log-softmax and gradient.
+A vLLM rollout worker (or judge) holds its process, its weights with the copies loading and weight sync make
+(ENGINE_WEIGHT_COPIES), and its KV cache. The constants are fitted to the runs' own `memory/<role>_peak_gb`
+(docs/BENCHMARKS.md, "Memory known before the run"); reward models and tool weights are not estimated.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+from cluster.devices import resolve_compute_dtype
+from learners.batches import LOGIT_CHUNK
+
+log = logging.getLogger("medray.memory")
+
+GB = 1e9
+PROCESS_GB = {"learner": 0.7, "rollout": 0.9, "judge": 0.9, "driver": 0.7}  # torch, DeepSpeed / vLLM, Ray imported
+SERVICE_GB = 0.4  # a reward, retriever or tool actor without a model of its own
+BUFFER_BYTES_PER_PARAM = 23
+ACTIVATION_FLOATS = 35
+ENGINE_WEIGHT_COPIES = 6
+
+
+def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, reference: bool) -> float:
+    """Bytes per learner rank for weights, gradients and Adam state under ZeRO-`zero_stage` over `ranks`: the
+    mixed-precision accounting of Rajbhandari et al. 2020 (ZeRO), per parameter 2 bytes of bf16/fp16 weights and 2 of
+    gradients plus 12 of fp32 master weights and Adam moments (fp32 training: 4 + 4 + 8); `reference` adds a frozen
+    copy of the weights (the KL reference)."""
+    half = dtype in ("bfloat16", "float16")
+    weights, grads, optim = (2, 2, 12) if half else (4, 4, 8)
+    # ZeRO-1 partitions the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too
+    per_param = (weights if zero_stage < 3 else weights / ranks) + (grads if zero_stage == 1 else grads / ranks) \
+        + optim / ranks
+    return params * (per_param + (weights if reference else 0))
+
+
+def ray_memory_threshold() -> float:
+    """The used share of a node's memory above which Ray's memory monitor kills workers."""
+    return float(os.environ.get("RAY_memory_usage_threshold", 0.95))
+
+
+def learner_rank_gb(params: int, layers: int, hidden: int, vocab: int, tokens: int, *, dtype: str = "float32",
+                    compute_dtype: str = "float32", zero_stage: int = 2, ranks: int = 1, reference: bool = False,
+                    checkpointing: bool = False) -> dict[str, float]:
+    """A learner rank's resident memory between steps (`resident`) and its peak training a micro-batch of `tokens`
+    packed tokens (`peak`), in GB."""
+    resident = PROCESS_GB["learner"] * GB + learner_bytes(params, dtype, zero_stage, ranks, reference) \
+        + BUFFER_BYTES_PER_PARAM * params
+    act_bytes = 4 if compute_dtype == "float32" else 2
+    per_token_layer = hidden * (1 if checkpointing else ACTIVATION_FLOATS)
+    activations = tokens * layers * per_token_layer * act_bytes \
+        + (tokens * hidden * ACTIVATION_FLOATS * act_bytes if checkpointing else 0)
+    logits = 3 * min(tokens, LOGIT_CHUNK) * vocab * 4  # float32 logits, log-softmax, their gradient
+    return {"resident": resident / GB, "peak": (resident + activations + logits) / GB}
+
+
+def engine_gb(params: int, engine_dtype: str, kv_cache_gb: float) -> float:
+    """A CPU vLLM engine's resident memory in GB (it keeps its KV cache allocated: resident == peak)."""
+    weight_bytes = params * (2 if engine_dtype in ("bfloat16", "float16") else 4)
+    return (PROCESS_GB["rollout"] * GB + ENGINE_WEIGHT_COPIES * weight_bytes) / GB + kv_cache_gb * 2**30 / GB
+
+
+def micro_batch_tokens(cfg) -> dict[str, int]:
+    """Tokens in one learner micro-batch: `floor`, one sequence at rollout.max_model_len (the least a micro-batch holds
+    once a sequence reaches the context limit), and `budget`, the most the config allows
+    (learner.max_tokens_per_micro_batch, else micro_batch_size sequences at the context limit)."""
+    longest = cfg.rollout.max_model_len
+    budget = cfg.learner.max_tokens_per_micro_batch or cfg.learner.micro_batch_size * longest
+    return {"floor": longest, "budget": budget}
+
+
+def host_plan(cfg, params: int, model_config, roles: tuple[str, ...]) -> list[dict]:
+    """Rows {role, num, resident_gb, floor_gb, peak_gb}: each actor's memory between steps, while training a
+    micro-batch at the floor, and at the config's token budget (`micro_batch_tokens`)."""
+    text = getattr(model_config, "text_config", model_config)
+    tokens = micro_batch_tokens(cfg)
+    kl = cfg.algorithm.kl_beta > 0 or any(
+        cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
+    learner = {name: learner_rank_gb(params, text.num_hidden_layers, text.hidden_size, text.vocab_size, n,
+                                     dtype=cfg.model.dtype,
+                                     compute_dtype=resolve_compute_dtype(cfg.learner.compute_dtype, "cpu"),
+                                     zero_stage=cfg.learner.zero_stage, ranks=cfg.cluster.learner.num, reference=kl,
+                                     checkpointing=cfg.learner.gradient_checkpointing)
+               for name, n in tokens.items()}
+    rows = [{"role": "driver", "num": 1, "resident_gb": PROCESS_GB["driver"]}]
+    for role in roles:
+        if role == "learner":
+            rows.append({"role": role, "num": cfg.cluster.learner.num, "resident_gb": learner["floor"]["resident"],
+                         "floor_gb": learner["floor"]["peak"], "peak_gb": learner["budget"]["peak"]})
+        elif role == "rollout":
+            rows.append({"role": role, "num": cfg.cluster.rollout.num,
+                         "resident_gb": engine_gb(params, cfg.engine_dtype(), cfg.rollout.kv_cache_gb)})
+        elif role == "judge" and cfg.judge is not None and cfg.judge.backend == "vllm":
+            # the judge's own model is not read here: the policy's size stands in for it
+            rows.append({"role": role, "num": cfg.cluster.judge.num,
+                         "resident_gb": engine_gb(params, cfg.judge.dtype, cfg.judge.kv_cache_gb)})
+        else:
+            rows.append({"role": role, "num": getattr(cfg.cluster, role).num, "resident_gb": SERVICE_GB})
+    for row in rows:
+        row.setdefault("floor_gb", row["resident_gb"])
+        row.setdefault("peak_gb", row["floor_gb"])
+    return rows
+
+
+def phase_totals(rows: list[dict], key: str) -> float:
+    """The machine's total while the learners train at `key` (floor_gb or peak_gb) and every other role sits at its
+    resident size (generation and training do not overlap in a synchronous step; the engines stay resident)."""
+    return sum(r["num"] * (r[key] if r["role"] == "learner" else r["resident_gb"]) for r in rows)
+
+
+BOUNDS = {"learner": "set learner.gradient_checkpointing: true or lower learner.max_tokens_per_micro_batch (or "
+                     "learner.micro_batch_size)",
+          "rollout": "lower rollout.kv_cache_gb or cluster.rollout.num",
+          "judge": "lower judge.kv_cache_gb"}
+
+
+def fit_problems(rows: list[dict], node_memory_gb: float) -> tuple[list[str], list[str]]:
+    """(errors, warnings) for one machine of `node_memory_gb`: an error when the run cannot fit even with the
+    learners at their floor, a warning when the learners at the token budget pass Ray's memory threshold. Both name
+    the largest role and the settings that bound it."""
+    limit = ray_memory_threshold() * node_memory_gb
+    shares = ", ".join(f"{r['role']} {r['num']} x {r['floor_gb']:.1f}" for r in rows)
+    errors, warnings = [], []
+    floor = phase_totals(rows, "floor_gb")
+    if floor > node_memory_gb:
+        largest = max(rows, key=lambda r: r["num"] * r["floor_gb"])
+        errors.append(f"the run needs ~{floor:.1f} GB of host memory with the learners at their floor (one sequence "
+                      f"of rollout.max_model_len a micro-batch) but the machine has {node_memory_gb:.1f} GB "
+                      f"({shares}); the largest role is {largest['role']}: "
+                      f"{BOUNDS.get(largest['role'], 'give it fewer actors')}")
+    peak = phase_totals(rows, "peak_gb")
+    if not errors and peak > limit:
+        largest = max(rows, key=lambda r: r["num"] * r["peak_gb"])
+        warnings.append(f"at its token budget the run may reach ~{peak:.1f} GB of host memory, past Ray's memory "
+                        f"threshold ({limit:.1f} GB of {node_memory_gb:.1f}): {largest['role']} peaks at "
+                        f"~{largest['peak_gb']:.1f} GB an actor; if Ray kills a role, "
+                        f"{BOUNDS.get(largest['role'], 'give it fewer actors')}")
+    return errors, warnings
+
+
+def check_local_run(cfg, roles: tuple[str, ...]) -> None:
+    """Refuse, before Ray starts, a run on a local Ray without GPUs that cannot fit this machine's memory
+    (`fit_problems`' errors); a run that joins a cluster is not checked here (its nodes are not known yet)."""
+    import psutil
+
+    from cluster.placement import PlacementError
+    from learners.dry_run import model_size
+
+    if cfg.cluster.address or os.environ.get("RAY_ADDRESS") or any(
+            getattr(cfg.cluster, role).actor_gpus for role in roles):
+        return
+    params, _, model_config = model_size(cfg)
+    if model_config is None:
+        return
+    errors, _ = fit_problems(host_plan(cfg, params, model_config, roles), psutil.virtual_memory().total / GB)
+    if errors:
+        raise PlacementError(errors[0] + " (estimate: python learners/run.py --config <config> --dry-run)")
+
+
+class MemoryWatch:
+    """Once a step: the driver's node's used memory (`memory/node_used_fraction`) and, the first time it comes within
+    MARGIN of Ray's memory threshold, a warning naming the role whose `memory/<role>_peak_gb` is largest."""
+    MARGIN = 0.05
+
+    def __init__(self):
+        self.warned = False
+
+    def __call__(self, record: dict) -> dict:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        used = (memory.total - memory.available) / memory.total
+        threshold = ray_memory_threshold()
+        if used >= threshold - self.MARGIN and not self.warned:
+            self.warned = True
+            peaks = {k.removeprefix("memory/").removesuffix("_peak_gb"): v for k, v in record.items()
+                     if k.startswith("memory/") and k.endswith("_peak_gb") and "_gpu" not in k}
+            role = max(peaks, key=peaks.get) if peaks else None
+            log.warning("step %s: this node's memory is %.0f%% used, near Ray's memory threshold (%.0f%%, "
+                        "RAY_memory_usage_threshold) above which it kills a worker%s", record.get("step"),
+                        100 * used, 100 * threshold, f"; the largest role is {role} at {peaks[role]:.1f} GB an "
+                        f"actor: {BOUNDS.get(role, 'give it fewer actors')}" if role else "")
+        return {"memory/node_used_fraction": used}

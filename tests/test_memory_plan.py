@@ -1,0 +1,85 @@
+"""Host memory known before a CPU run starts: the estimate, its calibration against measured peaks, the dry run's
+table, and the refusal of a run that cannot fit."""
+import json
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from cluster.placement import PlacementError
+from learners.config import load_config
+from learners.memory_plan import MemoryWatch, check_local_run, fit_problems, learner_rank_gb, phase_totals
+
+ROOT = Path(__file__).resolve().parents[1]
+# SmolLM2-135M-Instruct's shape (its config.json): what the quickstart trains
+SMOLLM2 = dict(params=134_515_008, layers=30, hidden=576, vocab=49152)
+
+
+def test_a_learner_rank_by_hand():
+    # resident: 0.7 GB process + 1e6 params x (4 + 4/2 + 8/2 = 10 ZeRO-2 bytes over 2 ranks + 23 buffer bytes)
+    # activations: 1000 tokens x 2 layers x 10 hidden x 35 floats x 4 bytes = 2.8e6; logits: 3 x 512 x 100 x 4
+    est = learner_rank_gb(10**6, 2, 10, 100, 1000, ranks=2, zero_stage=2)
+    assert est["resident"] == pytest.approx(0.733)
+    assert est["peak"] == pytest.approx(0.733 + 2.8e-3 + 614_400 / 1e9)
+    # checkpointing keeps each layer's input (1000 x 2 x 10 x 4) and one layer's full set (1000 x 10 x 35 x 4)
+    ckpt = learner_rank_gb(10**6, 2, 10, 100, 1000, ranks=2, zero_stage=2, checkpointing=True)
+    assert ckpt["peak"] == pytest.approx(0.733 + 80_000 / 1e9 + 1.4e-3 + 614_400 / 1e9)
+
+
+def test_the_estimate_is_within_ten_percent_of_the_measured_real_model_peaks():
+    rows = {r["variant"]: r for r in json.loads((ROOT / "benchmarks/results/step_real.json").read_text())["rows"]}
+    for variant, checkpointing in (("shipped", False), ("checkpointing", True)):
+        tokens = 4 * rows[variant]["tokens_per_sequence"]  # micro_batch_size 4, packed
+        est = learner_rank_gb(SMOLLM2["params"], SMOLLM2["layers"], SMOLLM2["hidden"], SMOLLM2["vocab"],
+                              int(tokens), ranks=2, zero_stage=2, checkpointing=checkpointing)
+        assert est["peak"] == pytest.approx(rows[variant]["memory/learner_peak_gb"], rel=0.1), variant
+
+
+def test_fit_problems_refuse_what_cannot_fit_and_warn_at_the_budget():
+    rows = [{"role": "driver", "num": 1, "resident_gb": 0.7, "floor_gb": 0.7, "peak_gb": 0.7},
+            {"role": "learner", "num": 2, "resident_gb": 5.0, "floor_gb": 8.0, "peak_gb": 15.0},
+            {"role": "rollout", "num": 1, "resident_gb": 5.0, "floor_gb": 5.0, "peak_gb": 5.0}]
+    assert phase_totals(rows, "floor_gb") == pytest.approx(21.7) and phase_totals(rows, "peak_gb") == pytest.approx(35.7)
+    errors, warnings = fit_problems(rows, 20.0)
+    assert len(errors) == 1 and "~21.7 GB" in errors[0] and "largest role is learner" in errors[0]
+    assert "learner.gradient_checkpointing" in errors[0]
+    errors, warnings = fit_problems(rows, 30.0)  # fits at the floor, passes 0.95 x 30 at the budget
+    assert not errors and len(warnings) == 1 and "~35.7 GB" in warnings[0] and "learner peaks at ~15.0" in warnings[0]
+    assert fit_problems(rows, 40.0) == ([], [])
+
+
+def test_the_dry_run_prints_host_memory_and_fails_on_a_machine_too_small(capsys):
+    from learners.run import main
+    assert main(["--config", "configs/tiny.yaml", "--dry-run", "--node-memory-gb", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "host memory" in out and "learner" in out and "total" in out
+    assert main(["--config", "configs/tiny.yaml", "--dry-run", "--node-memory-gb", "1"]) == 2
+    assert "error: the run needs" in capsys.readouterr().out
+
+
+def test_a_local_run_that_cannot_fit_stops_before_ray_starts(monkeypatch):
+    import psutil
+    import ray
+    cfg = load_config("configs/tiny.yaml")
+    machine = namedtuple("Memory", "total available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: machine(1e9, 0.5e9))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = ray.is_initialized()
+    with pytest.raises(PlacementError, match=r"needs ~[\d.]+ GB of host memory.*machine has 1.0 GB"):
+        check_local_run(cfg, ("learner", "rollout", "reward"))
+    assert ray.is_initialized() == started
+
+
+def test_the_memory_watch_warns_once_near_the_threshold(monkeypatch, caplog):
+    import psutil
+    machine = namedtuple("Memory", "total available")
+    watch = MemoryWatch()
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: machine(100.0, 50.0))
+    assert watch({"step": 1, "memory/learner_peak_gb": 9.0}) == {"memory/node_used_fraction": 0.5}
+    assert not caplog.records
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: machine(100.0, 8.0))  # 92% used: within 5 points of 95%
+    record = {"step": 2, "memory/learner_peak_gb": 9.0, "memory/rollout_peak_gb": 5.0}
+    assert watch(record)["memory/node_used_fraction"] == pytest.approx(0.92)
+    watch(record)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "92% used" in warnings[0] and "largest role is learner at 9.0 GB" in warnings[0]
