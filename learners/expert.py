@@ -71,16 +71,17 @@ def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, an
     """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown.
     `show`, `link_options` and `passage_chars` format the hits as the run's RetrievalEnvironment does. `next_page`:
     the hits after them, which the expert asks for (the same query again, retrieval.paging) and reads before it
-    answers, from the first page all the same."""
-    from actors.retrieval_env import hit_header, retrieval_text
+    answers from whichever of the two pages shows the gold disease."""
+    from actors.retrieval_env import retrieval_text
     options = task.get("options") if link_options else None
-    observation = cut_observation(grammar, retrieval_text(hits, None, show=show, options=options,
-                                                          passage_chars=passage_chars), tokenizer)
+    pages = [(hits, 0)] + ([(next_page, len(hits))] if next_page is not None else [])
+    observations = [cut_observation(grammar, retrieval_text(page, None, show=show, options=options,
+                                                            passage_chars=passage_chars, first_rank=first), tokenizer)
+                    for page, first in pages]
     doc_id = (task.get("metadata") or {}).get("kb_doc_id")
     if doc_id:
-        end = ":" if show == "passages" else "\n"  # the whole header is shown, not cut
-        shown = [h for rank, h in enumerate(hits)
-                 if h.get("doc_id") == doc_id and hit_header(rank, h, options) + end in observation]
+        shown = [h for (page, first), observation in zip(pages, observations)
+                 for h in gold_shown(page, first, observation, doc_id, show, options)]
         if not shown:  # the gold document was not retrieved, or cut from what the policy would see
             return None
         if options and answer_with == "letter":  # the link names the letter: no need to restate the long title
@@ -93,13 +94,20 @@ def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, an
     action, query = grammar.action_tag, expert_query(task)
     segments = [{"role": "policy", "text": f"<think>What is known about these findings? Look it up.</think>\n"
                                            f"<{action}>{query}</{action}>"},
-                {"role": "environment", "text": observation}]
+                {"role": "environment", "text": observations[0]}]
     if next_page is not None:
         segments += [{"role": "policy", "text": f"<think>Are there more results?</think>\n<{action}>{query}</{action}>"},
-                     {"role": "environment", "text": cut_observation(grammar, retrieval_text(
-                         next_page, None, show=show, options=options, passage_chars=passage_chars,
-                         first_rank=len(hits)), tokenizer)}]
+                     {"role": "environment", "text": observations[1]}]
     return {"task": task, "segments": segments + [answer_segment(task, grammar, thought, answer_with)]}
+
+
+def gold_shown(page: list[dict], first_rank: int, observation: str, doc_id: str, show: str,
+               options: dict | None) -> list[dict]:
+    """The hits of `page` that are the gold document and whose whole header the policy sees in `observation`."""
+    from actors.retrieval_env import hit_header
+    end = ":" if show == "passages" else "\n"  # the whole header is shown, not cut
+    return [h for rank, h in enumerate(page, first_rank)
+            if h.get("doc_id") == doc_id and hit_header(rank, h, options) + end in observation]
 
 
 def rechecks(task: dict, rate: float) -> bool:

@@ -79,9 +79,10 @@ def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path
     assert plain == "[1] Asthma\n[2] gout  (option A)"
 
 
-def test_a_rechecking_expert_reads_the_next_page_as_a_paging_rollout_would_and_answers_from_the_first(tmp_path):
+def test_a_rechecking_expert_reads_the_next_page_as_a_paging_rollout_would_and_answers_from_either(tmp_path):
     """sft.expert_recheck: in that share of demonstrations the expert searches its query again and reads what
-    RetrievalEnvironment's paging shows (the next top_k hits, numbered on), then answers as it would have."""
+    RetrievalEnvironment's paging shows (the next top_k hits, numbered on), then answers from whichever page shows the
+    gold disease; a task whose gold is on neither gets no demonstration."""
     from actors.build_index import default_index_dir
     from actors.environment import Episode
     from actors.retrieval_env import RetrievalEnvironment
@@ -91,10 +92,16 @@ def test_a_rechecking_expert_reads_the_next_page_as_a_paging_rollout_would_and_a
     cfg = load_config("configs/tiny.yaml", ["retrieval.show=titles", "retrieval.link_options=true",
                                              "retrieval.paging=true"])
     out = tmp_path / "demos.jsonl"
-    write_demonstrations(cfg, "hpo:mcq_train", out, limit=40, progress=False, recheck=0.5)
+    write_demonstrations(cfg, "hpo:mcq_train", out, limit=200, progress=False, recheck=0.5)
     demos = read_demonstrations(out)
     paged = [d for d in demos if len(d["segments"]) == 5]
     assert 0 < len(paged) < len(demos) and all(rechecks(d["task"], 0.5) == (d in paged) for d in demos)
+    for demo in demos:  # the answer's page links the gold option; only a rechecking expert answers from page 2
+        link = f"(option {demo['task']['answer']})"
+        pages = [seg["text"] for seg in demo["segments"][1:-1:2]]
+        assert any(link in page for page in pages)
+    assert any(link_only_on_second(d) for d in paged) and not any(link_only_on_second(d) for d in demos
+                                                                   if d not in paged)
     r = cfg.retrieval
     env = RetrievalEnvironment(LocalRetriever(default_index_dir(r.kb, r.index.kind, r.shards), config=r.search),
                                r.search.top_k, show="titles", link_options=True, paging=True)
@@ -108,6 +115,12 @@ def test_a_rechecking_expert_reads_the_next_page_as_a_paging_rollout_would_and_a
         shown = env.observe(episode, query, hits, None).text
         assert shown.startswith(f"[{r.search.top_k + 1}] ") and shown.splitlines()[0] in second["text"]
         assert answer["text"].endswith(f"<answer>{task['answer']}</answer>")
+
+
+def link_only_on_second(demo: dict) -> bool:
+    link = f"(option {demo['task']['answer']})"
+    pages = [seg["text"] for seg in demo["segments"][1:-1:2]]
+    return len(pages) == 2 and link not in pages[0] and link in pages[1]
 
 
 def test_expert_recheck_needs_paging():
