@@ -109,8 +109,9 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
         import psutil
         node_memory_gb = node_memory_gb or psutil.virtual_memory().total / 1e9
         host = host_plan(cfg, params, model_config, roles)
-        errors, host_warnings = fit_problems(host, node_memory_gb)
-        warnings += host_warnings
+        problems = fit_problems(host, node_memory_gb)
+        errors = [problems["cannot_fit"]] if problems["cannot_fit"] else []
+        warnings += [w for w in (problems["at_floor"], problems["at_budget"]) if w]
     return {"parameters": params, "parameters_from": source, "stages": stages, "host": host,
             "node_memory_gb": node_memory_gb, "errors": errors,
             "gpus": sum(row["gpu_share"] for row in placement), "nodes": 1 + max(

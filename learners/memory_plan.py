@@ -121,33 +121,38 @@ BOUNDS = {"learner": "set learner.gradient_checkpointing: true or lower learner.
           "judge": "lower judge.kv_cache_gb"}
 
 
-def fit_problems(rows: list[dict], node_memory_gb: float) -> tuple[list[str], list[str]]:
-    """(errors, warnings) for one machine of `node_memory_gb`: an error when the run cannot fit even with the
-    learners at their floor, a warning when the learners at the token budget pass Ray's memory threshold. Both name
-    the largest role and the settings that bound it."""
+def fit_problems(rows: list[dict], node_memory_gb: float) -> dict[str, str | None]:
+    """What a machine of `node_memory_gb` says to the roles `rows`, each a message naming the largest role and the
+    settings that bound it, or None: `cannot_fit`, the roles' resident memory alone exceeds the machine;
+    `at_floor`, with the learners at their floor the run passes Ray's memory threshold; `at_budget`, it does so only
+    at the token budget. Summed peaks overstate a node's use (pages shared through the object store are counted in
+    each process), so only `cannot_fit` stops a run."""
     limit = ray_memory_threshold() * node_memory_gb
-    shares = ", ".join(f"{r['role']} {r['num']} x {r['floor_gb']:.1f}" for r in rows)
-    errors, warnings = [], []
-    floor = phase_totals(rows, "floor_gb")
-    if floor > node_memory_gb:
-        largest = max(rows, key=lambda r: r["num"] * r["floor_gb"])
-        errors.append(f"the run needs ~{floor:.1f} GB of host memory with the learners at their floor (one sequence "
-                      f"of rollout.max_model_len a micro-batch) but the machine has {node_memory_gb:.1f} GB "
-                      f"({shares}); the largest role is {largest['role']}: "
-                      f"{BOUNDS.get(largest['role'], 'give it fewer actors')}")
-    peak = phase_totals(rows, "peak_gb")
-    if not errors and peak > limit:
-        largest = max(rows, key=lambda r: r["num"] * r["peak_gb"])
-        warnings.append(f"at its token budget the run may reach ~{peak:.1f} GB of host memory, past Ray's memory "
-                        f"threshold ({limit:.1f} GB of {node_memory_gb:.1f}): {largest['role']} peaks at "
-                        f"~{largest['peak_gb']:.1f} GB an actor; if Ray kills a role, "
-                        f"{BOUNDS.get(largest['role'], 'give it fewer actors')}")
-    return errors, warnings
+
+    def message(key: str, what: str, total: float, bound: float) -> str:
+        largest = max(rows, key=lambda r: r["num"] * r[key])
+        shares = ", ".join(f"{r['role']} {r['num']} x {r[key]:.1f}" for r in rows)
+        return (f"{what} the run needs ~{total:.1f} GB of host memory ({shares}) against {bound:.1f} GB of this "
+                f"{node_memory_gb:.1f} GB machine; the largest role is {largest['role']}: "
+                f"{BOUNDS.get(largest['role'], 'give it fewer actors')}")
+
+    totals = {key: phase_totals(rows, key) for key in ("resident_gb", "floor_gb", "peak_gb")}
+    problems = {"cannot_fit": None, "at_floor": None, "at_budget": None}
+    if totals["resident_gb"] > node_memory_gb:
+        problems["cannot_fit"] = message("resident_gb", "between steps", totals["resident_gb"], node_memory_gb)
+    elif totals["floor_gb"] > limit:
+        problems["at_floor"] = message("floor_gb", "with the learners at one sequence of rollout.max_model_len a "
+                                       "micro-batch, Ray's memory monitor may kill a role:", totals["floor_gb"], limit)
+    elif totals["peak_gb"] > limit:
+        problems["at_budget"] = message("peak_gb", "at its token budget, Ray's memory monitor may kill a role:",
+                                        totals["peak_gb"], limit)
+    return problems
 
 
 def check_local_run(cfg, roles: tuple[str, ...]) -> None:
     """Refuse, before Ray starts, a run on a local Ray without GPUs that cannot fit this machine's memory
-    (`fit_problems`' errors); a run that joins a cluster is not checked here (its nodes are not known yet)."""
+    (`fit_problems`), and warn when it may pass Ray's memory threshold at its floor; a run that joins a cluster is not
+    checked here (its nodes are not known yet)."""
     import psutil
 
     from cluster.placement import PlacementError
@@ -159,9 +164,11 @@ def check_local_run(cfg, roles: tuple[str, ...]) -> None:
     params, _, model_config = model_size(cfg)
     if model_config is None:
         return
-    errors, _ = fit_problems(host_plan(cfg, params, model_config, roles), psutil.virtual_memory().total / GB)
-    if errors:
-        raise PlacementError(errors[0] + " (estimate: python learners/run.py --config <config> --dry-run)")
+    problems = fit_problems(host_plan(cfg, params, model_config, roles), psutil.virtual_memory().total / GB)
+    if problems["cannot_fit"]:
+        raise PlacementError(problems["cannot_fit"] + " (the estimate: learners/run.py --dry-run)")
+    if problems["at_floor"]:
+        log.warning(problems["at_floor"])
 
 
 class MemoryWatch:
