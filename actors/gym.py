@@ -159,7 +159,8 @@ def plan_call(task: dict, turns: list[dict], action: str, allowed: list[str],
 
 class ToolEnvironment(Environment):
     """Tool calls of a batch of episodes -> one batched call per tool actor (see the module doc). Holds only actor
-    handles and settings, so it travels to rollout workers."""
+    handles and settings, so it travels to rollout workers: as its actors' names (ToolActor-<tool>-<i>, as
+    start_tool_actors names them), looked up where it arrives."""
     role = "tool"
 
     def __init__(self, tool_actors: dict[str, list], allowed: list[str], max_tool_calls: int = 6,
@@ -170,6 +171,16 @@ class ToolEnvironment(Environment):
         self.tool_actors, self.allowed = tool_actors, list(allowed)
         self.max_tool_calls, self.timeout_s, self.observe_images = max_tool_calls, timeout_s, observe_images
         self._turn = 0  # round-robin over a tool's replicas
+
+    def __getstate__(self) -> dict:
+        # An actor handle among an actor's constructor arguments is a reference Ray does not keep for the actor's
+        # restart (ray-project/ray#53727); names are plain values, so a restarted rollout worker rebuilds this.
+        return {**self.__dict__, "tool_actors": {name: len(replicas) for name, replicas in self.tool_actors.items()}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.tool_actors = {name: [ray.get_actor(tool_actor_name(name, i)) for i in range(replicas)]
+                            for name, replicas in self.tool_actors.items()}
 
     def plan(self, task: dict, turns: list[dict], action: str) -> PlannedCall | Observation:
         """Check one action against the episode so far: a call to run, or the observation that replaces it."""

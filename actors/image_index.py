@@ -100,21 +100,38 @@ def read_image_manifest(index_dir: str | os.PathLike) -> dict:
     return manifest
 
 
-def check_image_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identity: str,
+def check_image_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identity: str | None,
                          corpus_checksum: str | None = None) -> None:
     """Raise :class:`IndexMismatchError` unless the index has this format, was embedded by the BiomedCLIP weights
-    ``encoder_identity`` names and, when ``corpus_checksum`` is given, from that corpus (captions and images)."""
+    ``encoder_identity`` names (None: not compared, no encoder is loaded yet) and, when ``corpus_checksum`` is given,
+    from that corpus (captions and images)."""
     rebuild = f"rebuild it with: python -m actors.image_index --out {index_dir} [--corpus ...] [--clip ...]"
     if manifest.get("format") != IMAGE_INDEX_FORMAT:
         raise IndexMismatchError(f"image index {index_dir} has format {manifest.get('format')}, this medray reads "
                                  f"{IMAGE_INDEX_FORMAT}; {rebuild}")
-    if manifest["encoder"]["identity"] != encoder_identity:
+    if encoder_identity is not None and manifest["encoder"]["identity"] != encoder_identity:
         raise IndexMismatchError(f"image index {index_dir} was embedded with {manifest['encoder']['identity']} but "
                                  f"the given encoder is {encoder_identity}; {rebuild}")
     if corpus_checksum is not None and manifest["corpus"]["sha256"] != corpus_checksum:
         raise IndexMismatchError(f"image index {index_dir} was built from {manifest['corpus']['source']} (sha256 "
                                  f"{manifest['corpus']['sha256'][:12]}...) but the given corpus (captions and images) "
                                  f"has sha256 {corpus_checksum[:12]}...; {rebuild}")
+
+
+def check_image_index(index_dir: str | os.PathLike) -> None:
+    """What :class:`LocalImageRetriever` opens of the image index in `index_dir`, checked without loading it: an image
+    index manifest in this format, the rows, the FAISS index and the BiomedCLIP directory it was embedded with.
+    Raises FileNotFoundError or IndexMismatchError naming what is wrong."""
+    manifest = read_image_manifest(index_dir)
+    check_image_manifest(manifest, index_dir, None)
+    missing = [name for name in ("docs.jsonl", "offsets.npy", "images.faiss") if not (Path(index_dir) / name).exists()]
+    if missing:
+        raise FileNotFoundError(f"image index {index_dir} has no {', '.join(missing)}; rebuild it with python -m "
+                                f"actors.image_index --out {index_dir}")
+    encoder = manifest["encoder"]["path"]
+    if not Path(encoder).is_dir():
+        raise FileNotFoundError(f"image index {index_dir} was embedded with BiomedCLIP {encoder}, which is not a "
+                                f"directory here")
 
 
 def default_index_dir(encoder_identity: str) -> Path:

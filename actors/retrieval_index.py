@@ -252,18 +252,18 @@ def shard_dirs(index_dir: str | os.PathLike) -> list[Path]:
     return [Path(index_dir) / name for name in manifest.get("shards", [])] or [Path(index_dir)]
 
 
-def check_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identity: dict,
+def check_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identity: dict | None,
                    corpus_sha256: str | None = None) -> None:
     """Raise :class:`IndexMismatchError` unless the index was built in this format, by this encoder (same weights,
-    pooling and length; a sparse-only index has none to compare) and, when ``corpus_sha256`` is given, from that
-    corpus."""
+    pooling and length; a sparse-only index has none to compare; None: not compared, no encoder is loaded yet) and,
+    when ``corpus_sha256`` is given, from that corpus."""
     rebuild = f"rebuild it with: python -m actors.build_index --out {index_dir} --kb <corpus> --encoder <encoder>"
     if manifest.get("format") != INDEX_FORMAT:
         raise IndexMismatchError(f"index {index_dir} has format {manifest.get('format')}, this medray reads "
                                  f"{INDEX_FORMAT}; {rebuild}")
     built = manifest["encoder"]
-    differing = [] if built is None else [key for key in ("checksum", "dim", "pooling", "max_length")
-                                          if built.get(key) != encoder_identity[key]]
+    compared = [] if built is None or encoder_identity is None else ["checksum", "dim", "pooling", "max_length"]
+    differing = [key for key in compared if built.get(key) != encoder_identity[key]]
     if differing:
         was = ", ".join(f"{k}={built.get(k)}" for k in differing)
         given = ", ".join(f"{k}={encoder_identity[k]}" for k in differing)

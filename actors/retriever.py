@@ -19,7 +19,7 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.encoders import Encoder, load_encoder
+from actors.encoders import MINILM_NAMES, Encoder, load_encoder, resolve_encoder_path
 from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, import_bm25s,
                                     prepare_for_search, read_manifest, resolve_corpus, shard_dirs)
 from tasks.extras import require
@@ -107,6 +107,26 @@ class LRUCache:
         self._entries.move_to_end(key)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
+
+
+def check_index(index_dir: str | os.PathLike) -> None:
+    """What :class:`LocalRetriever` opens of the index in `index_dir` (each shard's, for a sharded one), checked
+    without loading it: a manifest in this medray's format, the documents, the BM25 index, the dense index and the
+    local encoder directory it was built with. Raises FileNotFoundError or IndexMismatchError naming what is wrong."""
+    for directory in shard_dirs(index_dir):
+        manifest = read_manifest(directory)
+        check_manifest(manifest, directory, None)
+        built = manifest["encoder"]
+        missing = [name for name in ("docs.jsonl", "offsets.npy", "bm25") + (("dense.faiss",) if built else ())
+                   if not (directory / name).exists()]
+        if missing:
+            raise FileNotFoundError(f"index {directory} has no {', '.join(missing)}; rebuild it with python -m "
+                                    f"actors.build_index")
+        if built and built["source"] not in MINILM_NAMES:
+            try:
+                resolve_encoder_path(built["source"])
+            except FileNotFoundError as e:
+                raise FileNotFoundError(f"index {directory} was built with encoder {built['source']}: {e}") from None
 
 
 def config_for_index(index_dir: str | os.PathLike, config: RetrievalConfig | dict | None) -> RetrievalConfig:
@@ -249,9 +269,11 @@ def _merge_task(top_k: int, *per_shard: list[list[dict]]) -> list[list[dict]]:
 class ShardedRetriever:
     """One :class:`Retriever` actor per shard of an index; queries go to every shard and the top-k lists are merged.
 
-    Holds only actor handles, so it can be passed to other actors. ``actor_options`` go to ``Retriever.options``
-    (num_cpus, num_gpus, scheduling_strategy, ...): one dict for every shard, or a function of the shard number (e.g.
-    its placement bundle); ``retriever_kwargs`` go to each actor (encoder, corpus, config).
+    Holds only actor handles, so it can be passed to other actors; when every shard's actor is named (a `name` in
+    its options) it travels as their names, looked up where it arrives. ``actor_options`` go to
+    ``Retriever.options`` (num_cpus, num_gpus, scheduling_strategy, name, ...): one dict for every shard, or a
+    function of the shard number (e.g. its placement bundle); ``retriever_kwargs`` go to each actor (encoder,
+    corpus, config).
     """
 
     def __init__(self, index_dir: str | os.PathLike, *, threads: int = 1,
@@ -259,9 +281,21 @@ class ShardedRetriever:
         config = retriever_kwargs.get("config")
         self.top_k = (config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))).top_k
         options_of = actor_options if callable(actor_options) else lambda i: actor_options or {}
-        self.actors = [Retriever.options(**{"num_cpus": 1, **options_of(i)}).remote(str(d), threads=threads,
-                                                                                  **retriever_kwargs)
-                       for i, d in enumerate(shard_dirs(index_dir))]
+        dirs = shard_dirs(index_dir)
+        options = [{"num_cpus": 1, **options_of(i)} for i in range(len(dirs))]
+        self.names = [o.get("name") for o in options]
+        self.actors = [Retriever.options(**o).remote(str(d), threads=threads, **retriever_kwargs)
+                       for o, d in zip(options, dirs)]
+
+    def __getstate__(self) -> dict:
+        # An actor handle among an actor's constructor arguments is a reference Ray does not keep for the actor's
+        # restart (ray-project/ray#53727); names are plain values, so a restarted rollout or tool actor rebuilds this.
+        return {**self.__dict__, "actors": None} if all(self.names) else self.__dict__
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if self.actors is None:
+            self.actors = [ray.get_actor(name) for name in self.names]
 
     def search_async(self, queries: list[str], top_k: int | None = None) -> ray.ObjectRef:
         """An ObjectRef to the merged results, so rollouts can keep generating while retrieval runs."""

@@ -191,7 +191,8 @@ class ServeSettings(Strict):
     def resolved(self) -> ServeSettings:
         """Checked and made explicit before any replica starts, so a deployment that could not start fails here with
         its cause: the checkpoint verified (a model directory of a causal LM, its manifest's checksums when it has
-        one), agent mode completed from the run that wrote it and its index opened, paths made absolute (replicas may
+        one), agent mode completed from the run that wrote it, every path a replica opens checked (the index's and
+        the image index's files and encoders, the tools' weights, the image roots), paths made absolute (replicas may
         run elsewhere) and the key dropped (they get its digest). Raises ValueError naming the field."""
         if is_uri(self.checkpoint):  # replicas fetch this exact step (`latest` resolved here) to their node's cache
             source, checkpoint = fetch_checkpoint(self.checkpoint)
@@ -207,15 +208,20 @@ class ServeSettings(Strict):
         if agent.tools and agent.tools["observe_images"] and not is_multimodal(checkpoint):
             raise ValueError(f"agent.tools: the tools show images (observe_images) but checkpoint {checkpoint} is "
                              "text-only; set agent.tools.observe_images=false")
+        if agent.tools:
+            check_tool_options(agent.tools)
         retrieval = agent.retrieval
         if index_dir:
-            from actors.retrieval_index import IndexMismatchError
-            from actors.retriever import config_for_index
+            from actors.retriever import check_index, config_for_index
             try:
+                check_index(index_dir)
                 retrieval = config_for_index(index_dir, agent.retrieval).model_dump()
-            except (OSError, IndexMismatchError, ValueError) as e:
+            except (OSError, ValueError) as e:  # IndexMismatchError is a ValueError
                 raise ValueError(f"agent.index_dir: {e}") from None
         roots = [str(Path(root).expanduser().resolve()) for root in self.limits.image_roots]
+        for root in roots:
+            if not Path(root).is_dir():
+                raise ValueError(f"limits.image_roots: {root} is not a directory")
         return self.model_copy(update={
             "api_key": None, "checkpoint": source,
             "limits": self.limits.model_copy(update={"image_roots": roots}),
@@ -255,8 +261,7 @@ def is_multimodal(checkpoint: Path) -> bool:
 def check_cdir(checkpoint: Path, index_dir: str | None, image_index_dir: str) -> None:
     """CDIR runs inside agent mode on the request's image: it needs a text index, a multimodal checkpoint and an
     image index. Raises ValueError naming the field otherwise."""
-    from actors.image_index import read_image_manifest
-    from actors.retrieval_index import IndexMismatchError
+    from actors.image_index import check_image_index
 
     if not index_dir:
         raise ValueError("agent.image_index_dir: CDIR runs in agent mode, which needs agent.index_dir as well")
@@ -264,9 +269,21 @@ def check_cdir(checkpoint: Path, index_dir: str | None, image_index_dir: str) ->
         raise ValueError(f"agent.image_index_dir: CDIR re-retrieves by the request's image, but checkpoint "
                          f"{checkpoint} is text-only (no vision_config in its config.json)")
     try:
-        read_image_manifest(image_index_dir)
-    except (FileNotFoundError, IndexMismatchError) as e:
+        check_image_index(image_index_dir)
+    except (OSError, ValueError) as e:  # IndexMismatchError is a ValueError
         raise ValueError(f"agent.image_index_dir: {e}") from None
+
+
+def check_tool_options(tools: dict) -> None:
+    """Each tool's constructor options (`agent.tools`, a ToolsConfig as a dict) as the Tools replica will pass them:
+    known names, existing weight directories. Raises ValueError naming the field."""
+    from actors.tools import tool_class
+
+    for name, spec in tools["tools"].items():
+        try:
+            tool_class(name).check_options(spec["options"])
+        except (OSError, ValueError) as e:
+            raise ValueError(f"agent.tools.tools.{name}.options: {e}") from None
 
 
 def key_digest(key: str) -> bytes:

@@ -167,7 +167,8 @@ def test_a_bm25_index_is_searched_sparse_unless_another_mode_is_asked_for(tiny_m
                                                      "agent.retrieval": {"mode": "hybrid"}})
 
 
-def test_deployments_that_cannot_start_are_refused_naming_the_cause(trained, tmp_path, tiny_model_path, monkeypatch):
+def test_deployments_that_cannot_start_are_refused_naming_the_cause(trained, bm25_index, tmp_path, tiny_model_path,
+                                                                    monkeypatch):
     from serve.app import app
 
     ok = trained.parent / "step_3"
@@ -200,6 +201,16 @@ def test_deployments_that_cannot_start_are_refused_naming_the_cause(trained, tmp
         resolved(checkpoint=str(tiny_model_path), **{"agent.index_dir": str(broken_index)})
     with pytest.raises(ValueError, match="agent.index_dir: .* is not a retrieval index"):
         resolved(checkpoint=str(tiny_model_path), **{"agent.index_dir": str(tmp_path)})
+    # a run that searched sparse reads no dense vectors, yet its index is checked all the same
+    with pytest.raises(ValueError, match="agent.index_dir: .*nowhere is not a retrieval index"):
+        resolved(checkpoint=str(trained), **{"agent.index_dir": str(tmp_path / "nowhere")})
+    partial = tmp_path / "partial"
+    shutil.copytree(bm25_index, partial)
+    shutil.rmtree(partial / "bm25")
+    with pytest.raises(ValueError, match="agent.index_dir: index .*partial has no bm25; rebuild it"):
+        resolved(checkpoint=str(trained), **{"agent.index_dir": str(partial)})
+    with pytest.raises(ValueError, match="limits.image_roots: .*nowhere is not a directory"):
+        resolved(checkpoint=str(ok), **{"limits.image_roots": [str(tmp_path / "nowhere")]})
 
     monkeypatch.delenv("MEDRAY_API_KEY", raising=False)
     with pytest.raises(ValueError, match="no API key"):
@@ -207,18 +218,23 @@ def test_deployments_that_cannot_start_are_refused_naming_the_cause(trained, tmp
 
 
 @pytest.mark.slow
-def test_serve_run_exits_at_once_with_the_cause(tmp_path):
-    """The command users type: a checkpoint that is not a model stops `serve run` within seconds, the cause on its
-    console, instead of a replica restart loop."""
+@pytest.mark.parametrize("what", ["checkpoint", "index"])
+def test_serve_run_exits_at_once_with_the_cause(what, trained, tmp_path):
+    """The command users type: a checkpoint that is not a model, or an index that is not there, stops `serve run`
+    within seconds with a non-zero status, the cause on its console, before any replica starts."""
     import os
     import subprocess
     import sys
     import time
 
+    args, cause = {
+        "checkpoint": ([f"checkpoint={tmp_path}"], "not a Hugging Face model directory (no config.json)"),
+        "index": ([f"checkpoint={trained}", f"agent.index_dir={tmp_path / 'index'}"],
+                  f"agent.index_dir: {tmp_path / 'index'} is not a retrieval index (no manifest.json)")}[what]
     started = time.monotonic()
-    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "serve"), "run", "serve.app:app",
-                           f"checkpoint={tmp_path}"], capture_output=True, text=True, timeout=120,
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "serve"), "run", "serve.app:app", *args],
+                          capture_output=True, text=True, timeout=120,
                           env={**os.environ, "MEDRAY_API_KEY": KEY, "RAY_ADDRESS": ""})
     assert proc.returncode != 0
-    assert "not a Hugging Face model directory (no config.json)" in proc.stdout + proc.stderr
+    assert cause in proc.stdout + proc.stderr
     assert time.monotonic() - started < 60

@@ -57,6 +57,17 @@ def test_cdir_settings_are_checked_when_the_app_is_built(tiny_model_path, vl_mod
         resolve(tiny_model_path, index_dir=str(tmp_path / "kb"), image_index_dir=str(tmp_path))
     with pytest.raises(ValueError, match="agent.image_index_dir: .* is not an image index"):
         resolve(vl_model_path, index_dir=str(tmp_path / "kb"), image_index_dir=str(tmp_path))
+    images = tmp_path / "images"  # what a replica would open, short of loading it
+    images.mkdir()
+    (images / "manifest.json").write_text(json.dumps({"format": 1, "kind": "image", "encoder": {
+        "identity": "biomedclip", "path": str(tmp_path / "clip")}}))
+    with pytest.raises(ValueError, match="agent.image_index_dir: .* has no docs.jsonl, offsets.npy, images.faiss"):
+        resolve(vl_model_path, index_dir=str(tmp_path / "kb"), image_index_dir=str(images))
+    for name in ("docs.jsonl", "offsets.npy", "images.faiss"):
+        (images / name).touch()
+    with pytest.raises(ValueError, match="agent.image_index_dir: .* embedded with BiomedCLIP .*clip, which is not a "
+                                         "directory here"):
+        resolve(vl_model_path, index_dir=str(tmp_path / "kb"), image_index_dir=str(images))
     with pytest.raises(ValueError, match="cdir_threshold"):
         resolve(vl_model_path, cdir_threshold=1.5)
 

@@ -47,6 +47,11 @@ def test_tools_come_from_the_run_and_are_checked_when_the_app_is_built(tool_chec
         resolve(tool_checkpoint, tools={"tools": {"retrieve_knowledge": {}}})
     with pytest.raises(ValueError, match=r"agent.tools: .*unknown tool\(s\) \['saw'\]"):
         resolve(tool_checkpoint, tools={"tools": {"saw": {}}})
+    with pytest.raises(ValueError, match=r"agent.tools.tools.segment.options: option 'path': .*nowhere is not a "
+                                         r"directory"):
+        resolve(tool_checkpoint, tools={"tools": {"segment": {"options": {"path": str(tmp_path / "nowhere")}}}})
+    with pytest.raises(ValueError, match=r"agent.tools.tools.zoom_in.options: unknown option\(s\) \['size'\]"):
+        resolve(tool_checkpoint, tools={"tools": {"zoom_in": {"options": {"size": 64}}}})
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ super-resolved crops in ``ToolResult.images``.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Annotated, ClassVar, Literal
@@ -165,6 +166,15 @@ class BaseTool:
     @classmethod
     def check(cls, args: ToolArgs, context: ToolContext) -> None:
         """Checks that need the task (image index, box inside the image); raise ToolArgumentError."""
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """Constructor `options` (a config's `tools.<name>.options`) checked without building the tool: every one
+        a name the constructor takes. Raises ValueError (or FileNotFoundError for a path) naming the option."""
+        taken = inspect.signature(cls).parameters
+        unknown = sorted(set(options) - set(taken))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown}; {cls.name} takes {sorted(taken)}")
 
     def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
         """One result per call, in order; an exception in one call becomes that call's error."""

@@ -2,6 +2,7 @@
 MedSAM, SAM 2 / MedSAM2) and super-resolution (Swin2SR)."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -23,6 +24,13 @@ class ModelImageTool(ImageTool):
         super().__init__(cache_size)
         module, function = self.loader.split(":")
         self.model = getattr(importlib.import_module(module), function)(path, device=device)
+
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        super().check_options(options)
+        path = options.get("path")
+        if path is not None and not Path(path).is_dir():
+            raise FileNotFoundError(f"option 'path': {path} is not a directory (the tool's weights)")
 
 
 @register_tool
