@@ -176,8 +176,9 @@ class LearnerWorker:
 
     def _grpo_loss(self, logp, batch: dict, adv, learner_old, algorithm: dict, temperature: float,
                    denominator: float):
-        """The GRPO loss of one micro-batch, with the KL to the reference and the rollout correction when set;
-        the engine-vs-learner mismatch is measured wherever the learner's behaviour log-probabilities are known."""
+        """The policy loss of one micro-batch (GRPO's token ratio or GSPO's sequence one, `ratio_level`), with the KL
+        to the reference and the rollout correction when set, at the ratio's level; the engine-vs-learner mismatch is
+        measured wherever the learner's behaviour log-probabilities are known."""
         ref_logp = None
         if self.reference is not None:
             with torch.no_grad():
@@ -186,12 +187,13 @@ class LearnerWorker:
         correction, weights, mismatch = algorithm["rollout_correction"], None, {}
         if learner_old is not None:
             weights, mismatch = algo.rollout_correction(learner_old, batch["old_logp"], batch["mask"],
-                                                        correction["kind"], correction["cap"])
+                                                        correction["kind"], correction["cap"], algorithm["ratio_level"])
         old = learner_old if correction["kind"] != "none" else batch["old_logp"]
         loss, s = algo.grpo_loss(logp, old, adv, batch["mask"], eps_low=algorithm["eps_low"],
                                  eps_high=algorithm["eps_high"], loss_agg=algorithm["loss_agg"], ref_logp=ref_logp,
                                  kl_beta=algorithm["kl_beta"], global_denominator=denominator,
-                                 norm_length=algorithm["loss_norm_length"], is_weights=weights)
+                                 norm_length=algorithm["loss_norm_length"], is_weights=weights,
+                                 ratio_level=algorithm["ratio_level"])
         return loss, {**s, **mismatch}
 
     def _set_accumulation(self, micro_batches: int) -> None:

@@ -1,4 +1,4 @@
-"""The GRPO pieces against numbers worked out by hand."""
+"""The RL objectives' pieces against numbers worked out by hand."""
 import math
 
 import pytest
@@ -30,6 +30,37 @@ def test_group_size_must_divide_batch():
         algo.group_advantages(torch.zeros(4), group_size=3)
 
 
+def test_rloo_baseline_is_the_mean_of_the_other_rollouts():
+    adv = algo.rloo_advantages(torch.tensor([3.0, 1.0, 2.0, 2.0, 1.0, 0.0, 0.0, 1.0]), group_size=4)
+    # group [3, 1, 2, 2]: 3 - (1+2+2)/3 = 4/3, 1 - (3+2+2)/3 = -4/3, 2 - (3+1+2)/3 = 0 (twice)
+    # group [1, 0, 0, 1]: 1 - 1/3 = 2/3, 0 - 2/3 = -2/3; i.e. G/(G-1) = 4/3 times Dr.GRPO's r - mean
+    assert adv.tolist() == pytest.approx([4 / 3, -4 / 3, 0.0, 0.0, 2 / 3, -2 / 3, -2 / 3, 2 / 3], abs=1e-6)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        algo.rloo_advantages(torch.zeros(4), group_size=1)
+
+
+def test_reinforce_pp_divides_by_the_batch_std_not_the_group_s():
+    rewards = torch.tensor([3.0, 1.0, 2.0, 2.0, 1.0, 0.0, 0.0, 1.0])
+    adv = algo.reinforce_pp_advantages(rewards, group_size=4, eps=0.0)
+    # minus the group means (2, 0.5): [1, -1, 0, 0, .5, -.5, -.5, .5], batch mean 0,
+    # population variance (1 + 1 + 4 * .25) / 8 = 3/8: every value divided by sqrt(3/8) = 0.612372
+    s = 1 / math.sqrt(3 / 8)
+    assert adv.tolist() == pytest.approx([s, -s, 0.0, 0.0, s / 2, -s / 2, -s / 2, s / 2], abs=1e-6)
+    # GRPO's per-group std makes both groups +-1-ish; the batch std keeps the first group's spread twice the second's
+    assert torch.all(algo.reinforce_pp_advantages(torch.tensor([0.7] * 4 + [0.0] * 4), group_size=4) == 0)
+
+
+def test_one_dispatch_point_for_the_advantage_estimators():
+    rewards = torch.tensor([3.0, 1.0, 2.0, 2.0])
+    assert algo.compute_advantages(rewards, 4, "grpo", normalize_std=False).tolist() == [1.0, -1.0, 0.0, 0.0]
+    assert algo.compute_advantages(rewards, 4, "rloo").tolist() == pytest.approx([4 / 3, -4 / 3, 0.0, 0.0])
+    # the lone group: centred [1, -1, 0, 0], population std sqrt(1/2)
+    assert algo.compute_advantages(rewards, 4, "reinforce_pp").tolist() == \
+        pytest.approx([math.sqrt(2), -math.sqrt(2), 0.0, 0.0], abs=1e-5)
+    with pytest.raises(ValueError, match="grpo, rloo or reinforce_pp"):
+        algo.compute_advantages(rewards, 4, "ppo")
+
+
 def test_clipped_surrogate_clip_higher():
     old = torch.zeros(1, 3)
     logp = torch.log(torch.tensor([[1.5, 1.5, 0.5]]))
@@ -38,6 +69,75 @@ def test_clipped_surrogate_clip_higher():
     # A>0, rho 1.5 -> clipped at 1+0.28; A<0, rho 1.5 -> unclipped -1.5 is the min; A<0, rho 0.5 -> clipped at 0.8
     assert loss.tolist()[0] == pytest.approx([-1.28, 1.5, 0.8], abs=1e-6)
     assert clipped.tolist()[0] == [1.0, 0.0, 1.0]
+
+
+def test_gspo_clips_a_rollout_as_a_whole_on_the_mean_log_ratio():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.2, 0.4, 5.0], [-0.1, 0.1, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    loss, clipped = algo.clipped_surrogate(logp, old, torch.tensor([1.0, -1.0]), eps_low=0.2, eps_high=0.28,
+                                           mask=mask, level="sequence")
+    # rollout 1: s = exp((0.2 + 0.4) / 2) = exp(0.3) = 1.34986 (the masked 5.0 left out), A = 1 -> clipped at 1.28
+    # on every token, though token 1 alone (rho = exp(0.2) = 1.2214) is inside the range;
+    # rollout 2: s = exp(0) = 1, A = -1 -> loss 1, unclipped
+    assert loss.flatten().tolist() == pytest.approx([-1.28] * 3 + [1.0] * 3, abs=1e-6)
+    assert clipped.tolist() == [[1.0] * 3, [0.0] * 3]
+    assert algo.log_ratio(logp, old, mask, "sequence")[0].tolist() == pytest.approx([0.3] * 3)
+    with pytest.raises(ValueError, match="token or sequence"):
+        algo.log_ratio(logp, old, mask, "step")
+
+
+def test_gspo_gives_every_token_of_a_rollout_the_same_gradient():
+    logp = torch.tensor([[0.1, -0.1, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    loss, _ = algo.grpo_loss(logp, torch.zeros(1, 3), torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.2,
+                             loss_agg="seq_mean", ratio_level="sequence")
+    loss.backward()
+    # L = -s A with s = exp((0.1 - 0.1) / 2) = 1: dL/dlogp_t = -s A / |y| = -1/2 on both policy tokens, 0 on the other
+    # (the token ratio would give -exp(0.1)/2 = -0.5526 and -exp(-0.1)/2 = -0.4524)
+    assert loss.item() == pytest.approx(-1.0)
+    assert logp.grad.tolist()[0] == pytest.approx([-0.5, -0.5, 0.0])
+
+
+def test_gspo_with_each_loss_aggregation():
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+
+    def loss(agg):
+        return algo.grpo_loss(torch.zeros(2, 2), torch.zeros(2, 2), adv, mask, eps_low=0.2, eps_high=0.2,
+                              loss_agg=agg, ratio_level="sequence", norm_length=4)[0].item()
+    # s = 1 for both: rollout losses -1 (2 tokens) and 2 (1 token)
+    assert loss("seq_mean") == pytest.approx((-1 + 2) / 2)         # each rollout once: GSPO's 1/G sum_i
+    assert loss("token_mean") == pytest.approx((-1 * 2 + 2) / 3)   # each weighed by its length
+    assert loss("token_sum_norm") == pytest.approx((-1 * 2 + 2) / (2 * 4))
+
+
+def test_sequence_level_rollout_correction_weighs_a_rollout_as_a_whole():
+    learner = torch.tensor([[math.log(0.5), math.log(0.3), math.log(0.9)], [math.log(0.3), math.log(0.3), 0.0]])
+    engine = torch.tensor([[math.log(0.5), math.log(0.1), math.log(0.6)], [math.log(0.1), math.log(0.1), 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    # token rho: [1, 3, 1.5] and [3, 3]; geometric means (1 * 3 * 1.5)^(1/3) = 4.5^(1/3) = 1.65096 and 3
+    tis, stats = algo.rollout_correction(learner, engine, mask, "tis", cap=2.0, level="sequence")
+    g = 4.5 ** (1 / 3)
+    assert tis.flatten().tolist() == pytest.approx([g] * 3 + [2.0] * 3, abs=1e-5)
+    mis, _ = algo.rollout_correction(learner, engine, mask, "mis", cap=2.0, level="sequence")
+    assert mis.flatten().tolist() == pytest.approx([g] * 3 + [0.0] * 3, abs=1e-5)
+    # the gap is measured per token; the corrected count is the 2 policy tokens of the capped rollout
+    assert stats["mismatch_max_ratio"] == pytest.approx(3.0) and stats["mismatch_corrected_sum"] == 2
+
+
+def test_gspo_ratio_times_the_sequence_correction_is_gspo_s_ratio_against_the_engine():
+    engine = torch.tensor([[math.log(0.5), math.log(0.1)]])
+    behaviour = torch.tensor([[math.log(0.5), math.log(0.3)]])
+    logp = behaviour + torch.tensor([[0.02, 0.0]])
+    mask = torch.ones(1, 2)
+    w, _ = algo.rollout_correction(behaviour, engine, mask, "tis", cap=2.0, level="sequence")
+    loss, _ = algo.grpo_loss(logp, behaviour, torch.tensor([1.0]), mask, eps_low=0.2, eps_high=0.2,
+                             loss_agg="seq_mean", is_weights=w, ratio_level="sequence")
+    # w = sqrt(1 * 3) = 1.73205 (< cap), s = exp(0.02 / 2) = 1.01005 (inside the clip range): L = -w s A = -1.74946,
+    # and w s = exp(mean(logp - engine)) = exp((0.02 + ln 3) / 2)
+    assert loss.item() == pytest.approx(-math.exp((0.02 + math.log(3)) / 2), abs=1e-5)
+    assert loss.item() == pytest.approx(-1.74946, abs=1e-5)
 
 
 def test_k3_kl():
