@@ -7,6 +7,7 @@
     medray build-index --kb hpo --out outputs/hpo_index
     medray expert --config configs/quickstart.yaml --data hpo:mcq_train --out outputs/demos.jsonl
     medray build-model smollm2-135m-instruct
+    medray traces outputs/quickstart [--out page.html]
 
 Each command runs a module of this repository with the arguments it is given (`medray <command> --help` lists them);
 `python learners/run.py ...` (what `ray job submit` runs) and `python -m <module> ...` do the same.
@@ -26,6 +27,7 @@ COMMANDS = {
     "build-index": ("actors.build_index", [], "build a retrieval index (BM25, FAISS) over a knowledge base"),
     "expert": ("learners.expert", [], "write the scripted expert's demonstrations for an SFT cold start"),
     "build-model": ("tasks.model_aliases", [], "build a real model alias (e.g. smollm2-135m-instruct) offline"),
+    "traces": ("learners.traces", [], "write a self-contained HTML page of a run's episodes, step by step"),
 }
 
 

@@ -4,6 +4,10 @@
 # torch is installed first from the CPU wheel on this disk (a plain `torch` requirement would pull a multi-GB CUDA build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Headless Chromium renders the trace viewer's page in tests/test_traces.py: Debian's package, where apt can install it.
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get update -q && apt-get install -y -q --no-install-recommends chromium
+fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate

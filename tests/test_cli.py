@@ -20,7 +20,7 @@ def test_the_installed_script_is_the_cli():
 def test_help_lists_every_command_and_each_command_has_its_own_help():
     listed = medray("--help")
     assert listed.returncode == 0, listed.stderr
-    for command in ("train", "eval", "serve", "build-index", "expert", "dry-run", "build-model"):
+    for command in ("train", "eval", "serve", "build-index", "expert", "dry-run", "build-model", "traces"):
         assert f"    {command}" in listed.stdout, command
     own = medray("eval", "--help")
     assert own.returncode == 0 and "--checkpoint" in own.stdout and "medray eval" in own.stdout
