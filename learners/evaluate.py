@@ -172,23 +172,26 @@ def text_only_view(tasks: list[dict], policy_path: str) -> list[dict]:
 
 
 def run_episodes(workers: list, tasks: list[dict], sampling: dict, seed: int, batch_size: int = 64,
-                 grammar: dict | None = None, desc: str = "evaluate") -> tuple[list, list[dict]]:
+                 grammar: dict | None = None, desc: str = "evaluate", version: int = 0,
+                 restore=None) -> tuple[list, list[dict]]:
     """One episode per task on `workers` (spread evenly, `batch_size` tasks per call on each), in task order;
-    returns the trajectories and the workers' summaries."""
+    returns the trajectories and the workers' summaries. A share lost with its worker is generated again
+    (learners/fleet.py `gather_shares`, with `version` and `restore` as there), so each task is answered once."""
     import ray
     from tqdm import tqdm
+
+    from learners.fleet import gather_shares, send_shares
 
     trajectories, summaries = [], []
     with tqdm(total=len(tasks), desc=desc, unit="task", leave=False) as bar:
         for start in range(0, len(tasks), batch_size * len(workers)):
             batch = tasks[start:start + batch_size * len(workers)]
-            chunks = np.array_split(np.arange(len(batch)), len(workers))
-            refs = [w.rollout.options(num_returns=2).remote([batch[i] for i in c], c.tolist(), 1, sampling, seed,
-                                                            grammar)
-                    for w, c in zip(workers, chunks) if len(c)]
-            for traj_ref, summary_ref in refs:
-                trajectories += ray.get(traj_ref)
-                summaries.append(ray.get(summary_ref))
+            chunks = [c for c in np.array_split(np.arange(len(batch)), len(workers)) if len(c)]
+            busy = workers[:len(chunks)]  # array_split puts the empty chunks last
+            calls = [([batch[i] for i in c], c.tolist(), 1, sampling, seed, grammar) for c in chunks]
+            shares, summary_refs = send_shares(busy, calls)
+            summaries += gather_shares(busy, calls, shares, summary_refs, desc, version, restore)
+            trajectories += [t for share in ray.get(shares) for t in share]
             bar.update(len(batch))
     return trajectories, summaries
 

@@ -8,7 +8,8 @@ workers, and the reward actors of a training run. Training (learners/trainer.py)
         ...
 
 `close` ends whatever was started, in reverse, and takes a fleet that stopped part-way: an attribute still empty is
-a part that never started.
+a part that never started. `send_shares` and `gather_shares` are how both hand work to the rollout workers: a share
+lost with its worker is generated again.
 """
 from __future__ import annotations
 
@@ -19,11 +20,47 @@ import ray
 
 from actors.rollout_worker import RolloutWorker
 from cluster.placement import Placement, place
-from cluster.ray_session import start_or_join
+from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
+from learners.memory_plan import check_local_run
 from learners.services import start_environment, start_judge, tool_demand
 from rewards.reward_actor import RewardActor
 
 log = logging.getLogger("medray.fleet")
+
+
+def send_shares(workers: list, calls: list[tuple]) -> tuple[list, list]:
+    """One `rollout` call per worker (`calls[i]`, its arguments, to `workers[i]`): (trajectory refs, summary refs)."""
+    refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(workers, calls)]
+    return [t for t, _ in refs], [s for _, s in refs]
+
+
+def gather_shares(workers: list, calls: list[tuple], trajectories: list, summaries: list, what: str,
+                  version: int = 0, restore: Callable[[int], None] | None = None, attempts: int = 3) -> list[dict]:
+    """The summaries of the shares `send_shares` sent, once every worker's has arrived. A share lost with its worker
+    (killed, out of memory), or sampled by a worker Ray restarted with weights older than `version`, is generated
+    again by the same call (the same seeds, so the same episodes) once the worker answers again and `restore(i)` has
+    given worker i the weights wanted (None: the weights it starts with are those, as when evaluating a checkpoint);
+    its refs in `trajectories` and `summaries` are replaced. Raises after `attempts` regenerations of one share;
+    `what` names the work in messages ("step 3")."""
+    gathered = []
+    for i, worker in enumerate(workers):
+        for attempt in range(attempts + 1):
+            try:
+                summary = ray.get(summaries[i])
+                if summary["version"] >= version:
+                    gathered.append(summary)
+                    break
+                problem = f"restarted with the weights of version {summary['version']}"
+            except ACTOR_LOST as e:
+                problem = f"lost ({type(e).__name__})"
+            if attempt == attempts:
+                raise RuntimeError(f"RolloutWorker-{i} failed {attempts + 1} times in {what}: {problem}")
+            log.warning("RolloutWorker-%d %s in %s; generating its share again", i, problem, what)
+            wait_until_ready(worker)
+            if restore is not None:
+                restore(i)
+            (trajectories[i],), (summaries[i],) = send_shares([worker], [calls[i]])
+    return gathered
 
 
 class Fleet:
@@ -49,6 +86,7 @@ class Fleet:
         """Start a local Ray or join the cluster (cluster/ray_session.py); once per fleet."""
         if self.joined:
             return
+        check_local_run(self.cfg, self.roles)  # a run that cannot fit this machine's memory stops before Ray starts
         start_or_join(self.cfg.cluster)
         self.joined = True
         if self.on_ray_start is not None:

@@ -16,14 +16,25 @@ log = logging.getLogger("medray.learner")
 
 
 class LearnerRankFailed(RuntimeError):
-    """A learner rank raised or died; the group is stopped and the run must resume from its last checkpoint."""
+    """Learner rank `rank` raised or died during `during`; every rank of the group is stopped. The trainer restarts
+    the group from its newest checkpoint (fault_tolerance.max_learner_restarts) or ends the run with this error.
+    `cause`: the error's type and first line."""
+
+    def __init__(self, rank: int, during: str, err: BaseException):
+        self.rank, self.during = rank, during
+        self.cause = f"{type(err).__name__}: {next(iter(str(err).splitlines()), '')}"
+        super().__init__(
+            f"LearnerWorker-{rank} failed during {during}: {type(err).__name__}: {err}\n"
+            "The other learner ranks were waiting for it in a collective, so the learner group was stopped. "
+            "Checkpoints already written are intact: rerun with resume=true.")
 
 
-def gather_ranks(calls: list, ranks: list, what: str) -> list:
+def gather_ranks(calls: list, ranks: list, what: str, called: list[int] | None = None) -> list:
     """`ray.get` of one call per rank that fails fast. A rank that raises or dies leaves the others blocked in a
     collective (allreduce, gather) until gloo's or NCCL's timeout, 30 minutes; a plain `ray.get` in rank order
-    would wait on a blocked rank first. So the first failure kills every rank and raises, naming the rank."""
-    rank_of = {ref: i for i, ref in enumerate(calls)}
+    would wait on a blocked rank first. So the first failure kills every rank and raises, naming the rank
+    (`called[i]`: the rank of call i; by default call i went to rank i)."""
+    rank_of = {ref: called[i] if called else i for i, ref in enumerate(calls)}
     pending = list(calls)
     while pending:
         (done,), pending = ray.wait(pending, num_returns=1)
@@ -32,10 +43,7 @@ def gather_ranks(calls: list, ranks: list, what: str) -> list:
         except Exception as err:
             for r in ranks:
                 ray.kill(r, no_restart=True)
-            raise LearnerRankFailed(
-                f"LearnerWorker-{rank_of[done]} failed during {what}: {type(err).__name__}: {err}\n"
-                "The other learner ranks were waiting for it in a collective, so the learner group was stopped. "
-                "Checkpoints already written are intact: rerun with resume=true.") from err
+            raise LearnerRankFailed(rank_of[done], what, err) from err
     return ray.get(calls)
 
 
@@ -93,8 +101,8 @@ class LearnerGroup:
                 "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
                 "optimizer_steps": per_rank[0]["optimizer_steps"], "seconds": seconds}
 
-    def _all(self, calls: list, what: str) -> list:
-        return gather_ranks(calls, self.ranks, what)
+    def _all(self, calls: list, what: str, called: list[int] | None = None) -> list:
+        return gather_ranks(calls, self.ranks, what, called)
 
     def connect(self, workers: list) -> None:
         """Set up the weight transport to `workers` (`cluster.weight_sync`; auto: collective with GPUs)."""
@@ -157,14 +165,15 @@ class LearnerGroup:
         """{rank: {file: sha256}} of the checkpoint files each node other than the driver's holds, listed by the
         first rank on that node."""
         firsts = {node: rank for rank, node in reversed(list(enumerate(self.nodes))) if node != driver_node}
-        listed = self._all([self.ranks[r].share.remote(str(checkpoint_dir)) for r in firsts.values()], "checkpoint")
+        listed = self._all([self.ranks[r].share.remote(str(checkpoint_dir)) for r in firsts.values()], "checkpoint",
+                           list(firsts.values()))
         return dict(zip(firsts.values(), listed))
 
     def upload_shares(self, checkpoint_dir, assigned: dict[int, list[str]], destination: str):
         """Start each rank's upload of its `assigned` files; returns a function that waits for them all."""
-        calls = [self.ranks[r].upload_share.remote(str(checkpoint_dir), names, destination)
-                 for r, names in assigned.items() if names]
-        return lambda: self._all(calls, "checkpoint upload") if calls else None
+        uploading = [r for r, names in assigned.items() if names]
+        calls = [self.ranks[r].upload_share.remote(str(checkpoint_dir), assigned[r], destination) for r in uploading]
+        return lambda: self._all(calls, "checkpoint upload", uploading) if calls else None
 
     def shutdown(self) -> None:
         """Leave the process groups where the ranks are alive (ray.wait: a stopped group's calls fail at once)."""

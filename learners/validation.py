@@ -41,14 +41,15 @@ class Validator:
         return bool(every and step % every == 0) or (cfg.eval.at_end and step == cfg.total_steps) or \
             (cfg.eval.at_stage_end and step in stage_ends)
 
-    def run(self, workers: list, step: int, grammar: dict, judge=None) -> dict:
-        """Greedy episodes of every split under the workers' current weights; returns eval/<split>/<metric>. With
-        `eval.judge`, `judge` (the run's JudgeActor) grades the open answers."""
+    def run(self, workers: list, step: int, grammar: dict, judge=None, version: int = 0, restore=None) -> dict:
+        """Greedy episodes of every split under the workers' current weights (those of `version`); returns
+        eval/<split>/<metric>. With `eval.judge`, `judge` (the run's JudgeActor) grades the open answers. A worker
+        lost meanwhile is given the weights again by `restore` and its share generated again (`run_episodes`)."""
         record = {}
         for split, tasks in self.splits.items():
             trajectories, summaries = run_episodes(workers, tasks, greedy_sampling(self.cfg), self.cfg.seed,
                                                    self.cfg.eval.batch_size, eval_grammar(self.cfg, grammar),
-                                                   desc=f"eval {split}")
+                                                   f"eval {split}", version, restore)
             metrics = score(trajectories, summaries)
             if self.cfg.eval.judge:
                 metrics.update(judge_open_answers(open_questions(trajectories), judge))

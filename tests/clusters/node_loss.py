@@ -9,9 +9,9 @@ named node is removed:
 
 * `rollout`: Ray moves the worker's placement-group bundle to the spare node and restarts the worker there; the run
   goes on to step 3, generating the lost share again under the current weights.
-* `learner`: the learner group stops with LearnerRankFailed; a second run with resume=true on the nodes left, into
-  a fresh output_dir (nothing of the first run's local files), continues from the last checkpoint on the run's
-  storage (`storage.path`, a file:// URI) to step 3, with the learners on the spare node.
+* `learner`: the learner group stops with LearnerRankFailed; Ray moves its placement-group bundles to the spare node,
+  where the trainer starts a new group from the last checkpoint on the run's storage (`storage.path`, a file:// URI)
+  and goes on to step 3.
 
 Writes OUT_DIR/report.json: each actor's node before and after, the error, and the run's metrics.
 """
@@ -85,15 +85,6 @@ def main(out: Path, lose: str) -> None:
         trainer.shutdown()
     watcher.join(timeout=60)
     report["removed"] = bool(removed)
-    if report["error"]:
-        resumed = Trainer(load_config("configs/tiny.yaml", [*overrides, "resume=true", f"output_dir={out / 'again'}"]))
-        resumed.setup()
-        report["resumed_from_step"] = resumed.step
-        report["after"] = placed(resumed, names)
-        try:
-            resumed.loop()
-        finally:
-            resumed.shutdown()
     report["metrics"] = [json.loads(line) for line in (out / "store" / "metrics.jsonl").read_text().splitlines()]
     committed = (out / "store" / "checkpoints").glob("step_*/manifest.json")
     report["stored_checkpoints"] = sorted(manifest.parent.name for manifest in committed)
