@@ -73,12 +73,21 @@ class RolloutCorrection(Strict):
 
 
 class AlgorithmConfig(Strict):
+    """The RL objective (learners/algorithm.py): an advantage estimator and a clipped policy loss."""
+    advantage: Literal["grpo", "rloo", "reinforce_pp"] = Field(
+        "grpo", description="grpo: (r - group mean) / group std (Shao et al. 2024); rloo: r - the mean of the other "
+                            "rollouts of its prompt (Ahmadian et al. 2024); reinforce_pp: (r - group mean) / batch std "
+                            "(REINFORCE++ with baseline, Hu et al. 2025)")
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="the importance ratio: token (PPO, GRPO) or sequence: exp of the mean of the rollout's "
+                             "token log-ratios, clipped per rollout (GSPO, Zheng et al. 2025; its paper clips at "
+                             "eps_low 3e-4, eps_high 4e-4, with loss_agg seq_mean)")
     eps_low: float = Field(0.2, ge=0)
     eps_high: float = Field(0.28, ge=0, description="> eps_low is DAPO's clip-higher")
     loss_agg: Literal["token_mean", "seq_mean", "token_sum_norm"] = Field(
         "token_mean", description="token_mean (DAPO), seq_mean (GRPO) or token_sum_norm (Dr.GRPO: sum / (B * L))")
     loss_norm_length: int | None = Field(None, ge=1, description="L of token_sum_norm; null: rollout.max_new_tokens")
-    normalize_std: bool = Field(True, description="false is Dr.GRPO")
+    normalize_std: bool = Field(True, description="advantage grpo only: false is Dr.GRPO")
     kl_beta: float = Field(0.0, ge=0, description="0 runs no reference model")
     updates_per_batch: int = Field(1, ge=1, description="passes over each rollout batch")
     dynamic_sampling: bool = Field(False, description="DAPO: drop groups whose rewards are all equal and sample more "
@@ -86,6 +95,13 @@ class AlgorithmConfig(Strict):
     max_extra_rounds: int = Field(3, ge=1, description="dynamic sampling: extra generation rounds per step at most; "
                                                        "a batch still short is filled with the dropped groups")
     rollout_correction: RolloutCorrection = RolloutCorrection()
+
+    @model_validator(mode="after")
+    def _std_is_grpo_s(self):
+        if not self.normalize_std and self.advantage != "grpo":
+            raise ValueError(f"normalize_std: false (Dr.GRPO) is a setting of advantage grpo; advantage "
+                             f"{self.advantage} never divides by the group's std")
+        return self
 
 
 class LearnerConfig(Strict):
@@ -202,6 +218,15 @@ class CheckpointConfig(Strict):
     keep_last: int = Field(2, ge=1)
 
 
+class FaultToleranceConfig(Strict):
+    """What a run does when an actor fails. A lost rollout worker's share is always generated again, and reward,
+    retriever, judge and tool actors restarted; a failed learner rank stops the learner group, which the trainer
+    restarts from the newest verified checkpoint, up to max_learner_restarts times."""
+    max_learner_restarts: int = Field(2, ge=0, description="learner-group restarts in one run (each from the newest "
+                                                           "verified checkpoint, the steps since redone); 0: a failed "
+                                                           "learner rank ends the run (resume=true continues it)")
+
+
 class StorageConfig(Strict):
     """Where a run is kept beyond the node that trains it: checkpoints (each committed by its manifest, uploaded
     last), metrics.jsonl, TensorBoard and evaluations. output_dir stays the driver's local working copy."""
@@ -241,6 +266,11 @@ class LoggingConfig(Strict):
     wandb: WandbConfig | None = Field(None, description="log to Weights & Biases too")
     verbose: bool = Field(False, description="print everything: third-party warnings and every actor's output (by "
                                              "default they go to output_dir/run.log only)")
+    trace_episodes_per_step: int = Field(8, ge=0, description="episodes of each GRPO step kept in "
+                                         "output_dir/traces.jsonl (`medray traces` shows them): the first of the "
+                                         "training batch, whole groups first; 0: none")
+    trace_max_mb: float = Field(64.0, gt=0, description="bound on traces.jsonl: past it, every other traced step "
+                                                        "is dropped and later steps are traced half as often")
 
 
 class RunConfig(Strict):
@@ -263,6 +293,7 @@ class RunConfig(Strict):
     learner: LearnerConfig = LearnerConfig()
     rewards: RewardsConfig
     checkpoint: CheckpointConfig = CheckpointConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     storage: StorageConfig = StorageConfig()
     eval: EvalConfig | None = Field(None, description="held-out evaluation during and after training")
     logging: LoggingConfig = LoggingConfig()
@@ -286,6 +317,9 @@ class RunConfig(Strict):
         if mini is not None and (batch % mini or mini % ranks):
             raise ValueError(f"learner.mini_batch_size {mini} must divide the rollout batch {batch} and split over "
                              f"{ranks} learner ranks")
+        if self.algorithm.advantage != "grpo" and self.rollout.group_size < 2:
+            raise ValueError(f"algorithm.advantage {self.algorithm.advantage} compares the rollouts of a prompt: it "
+                             f"needs rollout.group_size >= 2")
         if self.rollout.grammar.action_tag and self.retrieval is None and self.tools is None:
             raise ValueError(f"rollout.grammar.action_tag <{self.rollout.grammar.action_tag}> needs an environment: "
                              f"add a retrieval or a tools section")

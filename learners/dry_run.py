@@ -14,36 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 from learners.config import RunConfig
-from learners.memory_plan import fit_problems, host_plan, learner_bytes, phase_totals
-from tasks.model_aliases import resolve_model
+from learners.memory_plan import fit_problems, host_plan, learner_bytes, model_size, phase_totals
 
 GiB = 2**30
-
-
-def model_size(cfg: RunConfig) -> tuple[int, str, object | None]:
-    """(parameters, where the number came from, the model's transformers config or None): the model's config.json
-    built on the meta device (no weights read), else `model.size_hint_b` (no config), else the tiny model's config."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
-
-    path = resolve_model(cfg.model.path) if cfg.model.path else None
-    if path and (Path(path) / "config.json").is_file():
-        config, source = AutoConfig.from_pretrained(path), f"{path}/config.json"
-    elif cfg.model.path and cfg.model.size_hint_b:
-        return int(cfg.model.size_hint_b * 1e9), f"model.size_hint_b ({cfg.model.path} is not readable here)", None
-    elif cfg.model.path:
-        raise FileNotFoundError(f"model.path {cfg.model.path} is not readable here: set model.size_hint_b (billions of "
-                                f"parameters) for the dry run's memory estimate")
-    else:
-        from tasks.tiny_models import ensure_tiny_model
-        config, source = AutoConfig.from_pretrained(ensure_tiny_model(cfg.model.tiny)), "model.tiny"
-    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = cls.from_config(config)
-    return sum(p.numel() for p in model.parameters()), source, config
 
 
 def device_plan(cfg: RunConfig, roles: tuple[str, ...], gpus_per_node: int,

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 from cluster.devices import resolve_compute_dtype
 from learners.batches import LOGIT_CHUNK
+from learners.config import RunConfig
+from tasks.model_aliases import resolve_model
 
 log = logging.getLogger("medray.memory")
 
@@ -26,6 +29,29 @@ SERVICE_GB = 0.4  # a reward, retriever or tool actor without a model of its own
 BUFFER_BYTES_PER_PARAM = 23
 ACTIVATION_FLOATS = 35
 ENGINE_WEIGHT_COPIES = 6
+
+
+def model_size(cfg: RunConfig) -> tuple[int, str, object | None]:
+    """(parameters, where the number came from, the model's transformers config or None): the model's config.json
+    built on the meta device (no weights read), else `model.size_hint_b` (no config), else the tiny model's config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    path = resolve_model(cfg.model.path) if cfg.model.path else None
+    if path and (Path(path) / "config.json").is_file():
+        config, source = AutoConfig.from_pretrained(path), f"{path}/config.json"
+    elif cfg.model.path and cfg.model.size_hint_b:
+        return int(cfg.model.size_hint_b * 1e9), f"model.size_hint_b ({cfg.model.path} is not readable here)", None
+    elif cfg.model.path:
+        raise FileNotFoundError(f"model.path {cfg.model.path} is not readable here: set model.size_hint_b (billions of "
+                                f"parameters) for the dry run's memory estimate")
+    else:
+        from tasks.tiny_models import ensure_tiny_model
+        config, source = AutoConfig.from_pretrained(ensure_tiny_model(cfg.model.tiny)), "model.tiny"
+    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = cls.from_config(config)
+    return sum(p.numel() for p in model.parameters()), source, config
 
 
 def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, reference: bool) -> float:
@@ -156,7 +182,6 @@ def check_local_run(cfg, roles: tuple[str, ...]) -> None:
     import psutil
 
     from cluster.placement import PlacementError
-    from learners.dry_run import model_size
 
     if cfg.cluster.address or os.environ.get("RAY_ADDRESS") or any(
             getattr(cfg.cluster, role).actor_gpus for role in roles):

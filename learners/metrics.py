@@ -1,5 +1,5 @@
 """Where a run's numbers go: metrics.jsonl (one line per step), TensorBoard, Weights & Biases, the Ray dashboard's
-gauges, and the progress bar.
+gauges, and the progress bar; a sample of each step's episodes goes to traces.jsonl (learners/traces.py).
 
 metrics.jsonl keeps the flat names the code writes (reward_mean, kl, train_s); the trackers show them grouped
 (reward/mean, actor/kl, timing/train_s) by `grouped_name`, the one mapping docs/TRAINING.md lists.
@@ -19,6 +19,7 @@ import yaml
 
 from learners.config import LoggingConfig
 from learners.dynamic_sampling import gather, kept_groups
+from learners.traces import TraceLog, line_step
 from rewards.registry import is_diagnostic
 from tasks.extras import require
 
@@ -76,28 +77,23 @@ class Laps:
         return f"{sum(self.seconds.values()):.1f} s: " + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
 
 
-def _step(line: str) -> float:
-    """A metrics line's step; a blank line or one torn by a killed driver counts as after every checkpoint."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return math.inf
-
-
 class MetricsLogger:
     def __init__(self, out: Path, cfg: LoggingConfig, resume_step: int | None = None):
         self.path = out / "metrics.jsonl"
         self.cfg = cfg
         if resume_step is not None and self.path.exists():
             # Steps after the checkpoint are trained again; keep the log one line per step.
-            kept = [line for line in self.path.read_text().splitlines() if _step(line) <= resume_step]
+            kept = [line for line in self.path.read_text().splitlines() if line_step(line) <= resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.file = open(self.path, "a", buffering=1)
+        self.traces = TraceLog(out, cfg, resume_step)
         self.tb = None
         self.gauges: dict = {}
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(out / "tensorboard"), purge_step=resume_step)
+            # TensorBoard hides the events from purge_step on: the steps after the checkpoint, not its own
+            self.tb = SummaryWriter(str(out / "tensorboard"),
+                                    purge_step=None if resume_step is None else resume_step + 1)
         self.wandb = start_wandb(out, cfg, resumed=resume_step is not None) if cfg.wandb else None
 
     def log(self, record: dict) -> None:
@@ -131,7 +127,7 @@ class MetricsLogger:
             def update(record: dict) -> None:
                 bar.set_description(record.get("stage_name", "train"), refresh=False)
                 bar.set_postfix({short: f"{record[k]:.3g}" for k, short in BAR_KEYS if k in record}, refresh=False)
-                bar.update(1)
+                bar.update(record["step"] - bar.n)  # by step: a restart from a checkpoint moves it back
         try:
             yield Bar
         finally:

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except LearnerRankFailed as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("\n".join([f"error: {e}", *getattr(e, "__notes__", [])]), file=sys.stderr)  # notes: restarts left
         return 1
     if history:
         from learners.validation import gain_summary

@@ -5,7 +5,8 @@ stage trains on demonstrations; weights carry over from stage to stage. The driv
 numbers; trajectories go from rollout workers to reward actors and learners directly through the object store.
 
 Read top to bottom: the loop, one step's parts, then set-up and teardown (the actors themselves are a `Fleet`,
-learners/fleet.py, which evaluation stands on too; entering a stage is learners/stages.py).
+learners/fleet.py, which evaluation stands on too; entering a stage is learners/stages.py; checkpoints, and the
+learner group's restart from one when a rank fails, learners/recovery.py).
 """
 from __future__ import annotations
 
@@ -22,17 +23,19 @@ import yaml
 from actors.environment import derive_seed
 from learners.services import count_restarts, service_actors, service_roles
 from cluster.placement import ROLES
-from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners import checkpoint as ckpt
 from tasks.storage import run_storage
-from learners.algorithm import group_advantages
+from learners.algorithm import compute_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler
-from learners.dynamic_sampling import count_informative, fill_batch
-from learners.fleet import Fleet
-from learners.learner_group import LearnerGroup
+from learners.dynamic_sampling import count_informative, fill_batch, kept_groups
+from learners.fleet import Fleet, gather_shares, send_shares
+from learners.learner_group import LearnerGroup, LearnerRankFailed
+from learners.recovery import Recovery
 from learners.stages import Stages
-from learners.metrics import Laps, MetricsLogger, kept_metrics, learner_reports, sample_totals, step_metrics
+from learners.memory_plan import MemoryWatch
+from learners.metrics import (Laps, MetricsLogger, kept_metrics, kept_scores, learner_reports, sample_totals,
+                              step_metrics)
 from tasks.tiny_models import policy_dir
 from learners.validation import Validator, closing_report, plot_curves
 from recipes import load_recipe
@@ -51,7 +54,7 @@ class StepRollouts:
     calls: list[tuple]
 
 
-class Trainer(Stages):
+class Trainer(Stages, Recovery):
     def __init__(self, cfg: RunConfig, on_ray_start=None):
         """`on_ray_start`: called once Ray is up (learners/run.py routes the actors' output to run.log)."""
         self.cfg = cfg
@@ -59,6 +62,7 @@ class Trainer(Stages):
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.storage = run_storage(cfg.storage.path, self.out)  # where checkpoints, metrics and evaluations go too
+        self.memory_watch = MemoryWatch()
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -69,8 +73,9 @@ class Trainer(Stages):
             self.shutdown()
 
     def loop(self) -> list[dict]:
-        """Stage after stage until total_steps; each stage runs from the current step to its end."""
-        history = []
+        """Stage after stage until total_steps; each stage runs from the current step to its end. A learner rank that
+        fails sends the run back to its newest checkpoint with a new learner group (learners/recovery.py). Returns
+        each step's record, once."""
         if self.validator and self.cfg.eval.at_start and self.step == 0:
             self.metrics.log({"step": 0, **self.validate()})
         with self.metrics.progress(self.cfg.total_steps, self.step) as bar:
@@ -78,19 +83,22 @@ class Trainer(Stages):
                 index, end = self.stage_at(self.step)
                 self.enter_stage(index)
                 run = self.run_sft if self.stage.kind == "sft" else self.run_grpo
-                history += run(end, bar)
+                try:
+                    run(end, bar)
+                except LearnerRankFailed as failure:
+                    self.restart_learners(failure)
         if self.validator:
             self.report = closing_report(self.cfg, self.out)
         plot_curves(self.out, self.cfg)
         if self.storage:
             self.metrics.flush()
             ckpt.publish_run_files(self.storage, self.out)
-        return history
+        return self.history
 
-    def run_grpo(self, end: int, bar) -> list[dict]:
+    def run_grpo(self, end: int, bar) -> None:
         """GRPO steps until `end`: prompts -> rollouts -> rewards -> advantages -> update -> sync -> log. With
         one_step_off the next step's rollouts are sampled with the current weights while this step trains."""
-        cfg, history = self.stage_cfg, []
+        cfg = self.stage_cfg
         overlap = self.cfg.async_mode == "one_step_off"
         pending = self.start_rollouts(self.step)
         while pending is not None:
@@ -99,20 +107,21 @@ class Trainer(Stages):
             scores = self.score(rollouts)
             next_step = rollouts.step + 1
             pending = self.start_rollouts(next_step) if overlap and next_step < end else None
-            batch, totals, sampled, scores = self.training_batch(rollouts, scores)
-            advantages = group_advantages(torch.tensor(totals), cfg.rollout.group_size, cfg.algorithm.normalize_std)
+            batch, totals, sampled, scores, trained = self.training_batch(rollouts, scores)
+            advantages = compute_advantages(torch.tensor(totals), cfg.rollout.group_size, cfg.algorithm.advantage,
+                                            cfg.algorithm.normalize_std)
             train, sync = self.update_and_sync(batch, advantages.tolist(), "grpo")
             if not overlap and next_step < end:
                 pending = self.start_rollouts(next_step)
             self.step = next_step
+            self.metrics.traces.record(self.step, self.stage.name, batch, trained, advantages.tolist(),
+                                       cfg.rollout.grammar.observation_tag)
             record = {**step_metrics(self.step, scores, summaries, train, sync, self.version), **sampled,
                       **self.health(rollouts)}
-            history.append(self.finish_step(record, step_start, bar))
-        return history
+            self.finish_step(record, step_start, bar)
 
-    def run_sft(self, end: int, bar) -> list[dict]:
+    def run_sft(self, end: int, bar) -> None:
         """Demonstration batches through the same learner group; the weights reach the rollout workers each step."""
-        history = []
         while self.step < end:
             step_start = time.perf_counter()
             batch = [self.demonstrations[i] for i in self.sampler.batch(self.step)]
@@ -122,12 +131,11 @@ class Trainer(Stages):
             record = {"step": self.step, "sft_loss": train["loss"], "sft_tokens": train["mask_sum"],
                       "entropy": train["entropy_sum"] / tokens, "grad_norm": train["grad_norm"], "lr": train["lr"],
                       "train_s": train["seconds"], **sync, "weight_version": self.version, **learner_reports(train)}
-            history.append(self.finish_step(record, step_start, bar))
-        return history
+            self.finish_step(record, step_start, bar)
 
-    def finish_step(self, record: dict, step_start: float, bar) -> dict:
-        """Stage columns, checkpoint when due, timing; then the record goes to every metrics sink."""
-        record.update(stage=self.stage_index, stage_name=self.stage.name, **self.startup)
+    def finish_step(self, record: dict, step_start: float, bar) -> None:
+        """Stage columns, checkpoint when due, timing; then the record goes to every metrics sink and the history."""
+        record.update(stage=self.stage_index, stage_name=self.stage.name, **self.startup, **self.memory_watch(record))
         self.startup = {}
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.total_steps \
                 or self.step == self.stage_at(self.step - 1)[1]:
@@ -140,13 +148,13 @@ class Trainer(Stages):
             self.metrics.flush()
             ckpt.publish_run_files(self.storage, self.out)
         bar.update(record)
-        return record
+        self.history.append(record)
 
     def validate(self) -> dict:
         """The eval section's splits on the rollout workers, under the weights they hold now."""
         start = time.perf_counter()
         record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump(),
-                                    self.judge)
+                                    self.judge, self.version, self.restore_worker)
         # the service actors' work during the evaluation (a judge grading answers) is not the next step's
         self.recipe.step_stats(service_actors(self.environment, self.judge))
         return {**record, "eval_s": time.perf_counter() - start}
@@ -164,38 +172,24 @@ class Trainer(Stages):
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
         calls = [([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed,
                   r.grammar.model_dump(), self.rollout_hooks) for groups in chunks]
-        refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(self.workers, calls)]
-        return StepRollouts(step, self.version, [t for t, _ in refs], [s for _, s in refs], calls)
+        return StepRollouts(step, self.version, *send_shares(self.workers, calls), calls)
 
-    def collect(self, rollouts: StepRollouts, attempts: int = 3) -> list[dict]:
+    def collect(self, rollouts: StepRollouts) -> list[dict]:
         """The step's rollout summaries, once every worker's share has arrived. A share lost with its worker (killed,
         out of memory), or sampled by a worker Ray restarted with its start-up weights, is generated again with the
-        same seeds once the current weights were sent to it: no step trains on a partial or stale group."""
-        summaries = []
-        for i, worker in enumerate(self.workers):
-            for attempt in range(attempts + 1):
-                try:
-                    summary = ray.get(rollouts.summaries[i])
-                    if summary["version"] >= rollouts.version:
-                        summaries.append(summary)
-                        break
-                    problem = f"restarted with the weights of version {summary['version']}"
-                except ACTOR_LOST as e:
-                    problem = f"lost ({type(e).__name__})"
-                if attempt == attempts:
-                    raise RuntimeError(f"RolloutWorker-{i} failed {attempts + 1} times in step {rollouts.step + 1}: "
-                                       f"{problem}")
-                if self.learners.transport == "collective":
-                    raise RuntimeError(f"RolloutWorker-{i} {problem}; a restarted worker cannot rejoin the collective "
-                                       f"weight-sync group: use cluster.weight_sync=object_store for fault tolerance")
-                log.warning("RolloutWorker-%d %s in step %d; generating its share again", i, problem,
-                            rollouts.step + 1)
-                self.restarts["rollout"] += 1
-                wait_until_ready(worker)
-                self.learners.sync(self.version)
-                rollouts.trajectories[i], rollouts.summaries[i] = \
-                    worker.rollout.options(num_returns=2).remote(*rollouts.calls[i])
-        return summaries
+        same seeds once the current weights were sent to it (`gather_shares`): no step trains on a partial or stale
+        group."""
+        return gather_shares(self.workers, rollouts.calls, rollouts.trajectories, rollouts.summaries,
+                             f"step {rollouts.step + 1}", rollouts.version, self.restore_worker)
+
+    def restore_worker(self, i: int) -> None:
+        """RolloutWorker-i, restarted by Ray with its start-up weights, gets the current ones (counted in
+        actor_restarts/rollout). A restarted worker cannot rejoin a collective weight-sync group: the run stops."""
+        if self.learners.transport == "collective":
+            raise RuntimeError(f"RolloutWorker-{i} was restarted; a restarted worker cannot rejoin the collective "
+                               f"weight-sync group: use cluster.weight_sync=object_store for fault tolerance")
+        self.restarts["rollout"] += 1
+        self.learners.sync(self.version)
 
     def score(self, rollouts: StepRollouts) -> list[dict]:
         """Each worker's trajectories go straight from its object to a reward actor. A reward actor that dies is
@@ -210,23 +204,28 @@ class Trainer(Stages):
                 self.reward_pids[actor] = s["pid"]
         return ray.get(self.rewarders[0].calibrate.remote(scores)) if self.stateful_rewards else scores
 
-    def training_batch(self, rollouts: StepRollouts, scores: list[dict]) -> tuple[list, list[float], dict, list[dict]]:
+    def training_batch(self, rollouts: StepRollouts,
+                       scores: list[dict]) -> tuple[list, list[float], dict, list[dict], list[dict]]:
         """What the learner trains on: the step's rollouts with their rewards, or with dynamic sampling the
-        informative groups (`refill`), always prompts_per_step whole groups; then the sampling stats and the score
-        dicts of every group sampled (those the step's reward metrics are over)."""
+        informative groups (`refill`), always prompts_per_step whole groups; then the sampling stats, the score
+        dicts of every group sampled (those the step's reward metrics are over) and those of the batch, in its order
+        (`trained`)."""
         r, totals = self.stage_cfg.rollout, sample_totals(scores)
-        batch, totals, sampled, scores = self.refill(rollouts, scores) if self.stage_cfg.algorithm.dynamic_sampling \
-            else (rollouts.trajectories, totals, {}, scores)
+        batch, totals, sampled, scores, trained = self.refill(rollouts, scores) \
+            if self.stage_cfg.algorithm.dynamic_sampling \
+            else (rollouts.trajectories, totals, {}, scores, scores)
         if len(totals) != r.prompts_per_step * r.group_size:
             raise RuntimeError(f"step {rollouts.step + 1}: {len(totals)} samples scored, expected "
                                f"{r.prompts_per_step * r.group_size}")
-        return batch, totals, sampled, scores
+        return batch, totals, sampled, scores, trained
 
-    def refill(self, rollouts: StepRollouts, scores: list[dict]) -> tuple[list, list[float], dict, list[dict]]:
+    def refill(self, rollouts: StepRollouts,
+               scores: list[dict]) -> tuple[list, list[float], dict, list[dict], list[dict]]:
         """DAPO's dynamic sampling (learners/dynamic_sampling.py): rounds of other prompts while fewer than
         prompts_per_step groups have rewards that differ, then the batch of those groups, as one object. Returns the
         batch, its totals, the sampling stats with the kept groups' reward columns (`*_kept`), and every round's
-        score dicts: the step's reward metrics are over all the groups sampled, not the kept ones only."""
+        score dicts: the step's reward metrics are over all the groups sampled, not the kept ones only; last the
+        batch's own score dict."""
         r, bound = self.stage_cfg.rollout, self.stage_cfg.algorithm.max_extra_rounds
         round_scores = [scores]
         rounds = [([t for share in ray.get(rollouts.trajectories) for t in share], sample_totals(scores))]
@@ -237,8 +236,9 @@ class Trainer(Stages):
             rounds.append(([t for share in ray.get(extra.trajectories) for t in share], sample_totals(scored)))
         trajectories, kept, stats = fill_batch(rounds, r.group_size, r.prompts_per_step)
         stats.update(kept_metrics(round_scores, r.group_size, r.prompts_per_step))
+        picks, _ = kept_groups([totals for _, totals in rounds], r.group_size, r.prompts_per_step)
         return [ray.put(trajectories)], kept, {**stats, "extra_generation_rounds": len(rounds) - 1}, \
-            [s for each in round_scores for s in each]
+            [s for each in round_scores for s in each], kept_scores(round_scores, picks, r.group_size)
 
     def update_and_sync(self, batch: list, advantages: list[float] | None, objective: str) -> tuple[dict, dict]:
         """The tail every step shares: one update of the learner group, then its weights to every rollout worker."""
@@ -264,25 +264,6 @@ class Trainer(Stages):
                                    f"{record['fidelity_max_abs_diff']:.2e} after the sync of step {self.step} "
                                    f"(rollout.fidelity_tolerance {cfg.fidelity_tolerance():g})")
         return record
-
-    def save_checkpoint(self) -> float:
-        start = time.perf_counter()
-        tmp = ckpt.staging_dir(self.ckpt_root, self.step)
-        self.learners.save(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        # The stage's resolved config travels with the weights: serving takes the grammar and retrieval from it.
-        (tmp / ckpt.RUN_CONFIG).write_text(yaml.safe_dump(self.stage_cfg.dump(), sort_keys=False))
-        # the owner's (see enter_stage); an SFT stage has no reward actors
-        reward_states = [ray.get(self.rewarders[0].state_dict.remote())] if self.rewarders else []
-        state = {"step": self.step, "version": self.version, "seed": self.cfg.seed, "stage": self.stage_index,
-                 "reward_states": reward_states}
-        # with storage, the run's files follow in finish_step, once this step's metrics line is written
-        if self.storage is None:
-            ckpt.commit(self.ckpt_root, tmp, self.step, state, self.cfg.checkpoint.keep_last)
-        else:
-            ckpt.commit_and_publish(self.storage, self.ckpt_root, tmp, self.step, state,
-                                    self.cfg.checkpoint.keep_last, self.learners)
-        return time.perf_counter() - start
 
     # ---- set-up and teardown ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -331,16 +312,12 @@ class Trainer(Stages):
         laps.lap("learners")
         self.learners.connect(self.workers)
         self.stage_index = None
-        self.restarts, self.reward_pids = {"rollout": 0, "reward": 0}, {}  # actors lost and restarted, by role
+        self.restarts, self.reward_pids = {"rollout": 0, "reward": 0, "learner": 0}, {}  # restarts, by role
         self.service_pids: dict = {}
         laps.lap("connect")
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
         laps.lap("stage")
-        if resume_from and ckpt.read_state(resume_from).get("stage", 0) == self.stage_index:
-            # stateful rewards (adaptive thresholds) continue where they were, in their owner
-            states = ckpt.read_state(resume_from).get("reward_states", [])
-            if states:
-                ray.get(self.rewarders[0].load_state_dict.remote(states[0]))
+        self.restore_rewards(resume_from)
         ray.get([w.ready.remote() for w in self.workers])
         laps.lap("rollout_workers")
         count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
@@ -348,6 +325,7 @@ class Trainer(Stages):
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
         self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
         self.report = None  # the closing evaluation table, once the run has one
+        self.history: list[dict] = []  # each step's record
         self.startup = laps.total()  # reported with the first step
         log.info("start-up %s", laps)
 

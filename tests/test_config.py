@@ -210,3 +210,19 @@ def test_a_token_budget_below_the_longest_sequence_and_a_correction_cap_of_one_a
         load_config(QUICKSTART, ["algorithm.rollout_correction.kind=clip"])
     cfg = load_config(QUICKSTART, ["learner.max_tokens_per_micro_batch=4096", "algorithm.rollout_correction.kind=mis"])
     assert cfg.learner.max_tokens_per_micro_batch == 4096 and cfg.algorithm.rollout_correction.cap == 2.0
+
+
+def test_the_objective_is_chosen_by_name_and_an_unknown_one_is_refused_naming_the_choices():
+    cfg = load_config(QUICKSTART, ["algorithm.advantage=rloo", "algorithm.ratio_level=sequence"])
+    assert (cfg.algorithm.advantage, cfg.algorithm.ratio_level) == ("rloo", "sequence")
+    with pytest.raises(ConfigError, match=r"algorithm.advantage \(command-line override\): Input should be 'grpo', "
+                                          r"'rloo' or 'reinforce_pp'"):
+        load_config(QUICKSTART, ["algorithm.advantage=ppo"])
+    with pytest.raises(ConfigError, match=r"algorithm.ratio_level \(command-line override\): Input should be 'token' "
+                                          r"or 'sequence'"):
+        load_config(QUICKSTART, ["algorithm.ratio_level=seq"])
+    with pytest.raises(ConfigError, match=r"algorithm \(line \d+\).*normalize_std: false \(Dr.GRPO\) is a setting of "
+                                          r"advantage grpo"):
+        load_config(QUICKSTART, ["algorithm.advantage=reinforce_pp", "algorithm.normalize_std=false"])
+    with pytest.raises(ConfigError, match=r"algorithm.advantage rloo .* needs rollout.group_size >= 2"):
+        load_config(QUICKSTART, ["algorithm.advantage=rloo", "rollout.group_size=1"])
