@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -210,15 +211,17 @@ def tool_demonstrations(cfg, tasks: list[dict], tokenizer, index_dir: Path | Non
         start_or_join(cfg.cluster)
     retriever = None
     if index_dir is not None:
-        from actors.retriever import Retriever
-        retriever = Retriever.options(num_cpus=0).remote(str(index_dir), config=cfg.retrieval.search)
+        from actors.retriever import ShardedRetriever
+        # named shards travel to the tool actors by name, so Ray can rebuild a restarted one
+        retriever = ShardedRetriever(index_dir, config=cfg.retrieval.search, actor_options=lambda i: {
+            "num_cpus": 0, "name": f"Retriever-expert-{os.getpid()}-{i}"})
     env = make_tool_environment(cfg.tools, retriever=retriever)
     try:
         gym = MedicalGym(env, cfg.rollout.grammar)
         return [tool_demonstration(t, cfg.rollout.grammar, gym, tokenizer, image_dir, answer_with)
                 for t in tqdm(tasks, desc="demonstrations", disable=not progress)]
     finally:
-        for actor in env.actors() + ([retriever] if retriever else []):
+        for actor in env.actors() + (retriever.actors if retriever else []):
             ray.kill(actor)
         if started:
             ray.shutdown()
