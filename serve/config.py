@@ -211,7 +211,9 @@ class ServeSettings(Strict):
         if agent.tools:
             check_tool_options(agent.tools)
         retrieval = agent.retrieval
-        if index_dir:
+        # an index the run's config names but this node has not built yet is built on first use by the Retriever
+        # replica; an index_dir given here must already be one
+        if index_dir and (self.agent.index_dir or Path(index_dir).exists()):
             from actors.retriever import check_index, config_for_index
             try:
                 check_index(index_dir)

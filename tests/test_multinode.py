@@ -48,6 +48,8 @@ def test_losing_the_rollout_node_moves_the_worker_and_the_run_completes(tmp_path
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
 
 
+@pytest.mark.xfail(strict=True, reason="the new learner group's first rank is placed before Ray declares the lost "
+                                        "node dead, and is cancelled with it (docs/CLUSTER.md)")
 def test_losing_the_learner_node_restarts_the_learners_on_the_nodes_left_and_the_run_completes(tmp_path):
     """Both learner ranks' node is removed after step 1's checkpoint: the group stops with LearnerRankFailed, Ray moves
     its bundles to the spare node, and the trainer starts a new group there from the checkpoint on the run's storage
