@@ -16,7 +16,7 @@ import json
 import math
 
 from learners.config import RunConfig
-from learners.memory_plan import fit_problems, host_plan, learner_bytes, model_size, phase_totals
+from learners.memory_plan import fit_problems, host_plan, keeps_reference, learner_bytes, model_size, phase_totals
 
 GiB = 2**30
 
@@ -55,7 +55,7 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
     params, source, model_config = model_size(cfg)
     stages = [{"name": s.name, "kind": s.kind, "steps": s.steps, **({"set": s.set} if s.set else {})}
               for s in cfg.stage_plan()]
-    kl = any(cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
+    kl = keeps_reference(cfg)
     weight_bytes = params * (2 if cfg.engine_dtype() in ("bfloat16", "float16") else 4)
     learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num, kl)
     # vLLM takes gpu_memory_utilization of each of its devices (one per shard) for weights + KV cache, whatever the

@@ -67,6 +67,11 @@ def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, referenc
     return params * (per_param + (weights if reference else 0))
 
 
+def keeps_reference(cfg: RunConfig) -> bool:
+    """Whether a GRPO stage of the run has a KL term, so the learner holds a frozen reference copy of the weights."""
+    return any(cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
+
+
 def ray_memory_threshold() -> float:
     """The used share of a node's memory above which Ray's memory monitor kills workers."""
     return float(os.environ.get("RAY_memory_usage_threshold", 0.95))
@@ -107,8 +112,7 @@ def host_plan(cfg, params: int, model_config, roles: tuple[str, ...]) -> list[di
     micro-batch at the floor, and at the config's token budget (`micro_batch_tokens`)."""
     text = getattr(model_config, "text_config", model_config)
     tokens = micro_batch_tokens(cfg)
-    kl = cfg.algorithm.kl_beta > 0 or any(
-        cfg.for_stage(i).algorithm.kl_beta > 0 for i, s in enumerate(cfg.stage_plan()) if s.kind == "grpo")
+    kl = keeps_reference(cfg)
     learner = {name: learner_rank_gb(params, text.num_hidden_layers, text.hidden_size, text.vocab_size, n,
                                      dtype=cfg.model.dtype,
                                      compute_dtype=resolve_compute_dtype(cfg.learner.compute_dtype, "cpu"),
