@@ -22,25 +22,33 @@ RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 class ReloadNotices(logging.Filter):
     """Drops vLLM's "<layer>: Failed to load weights", logged on every weight reload for layers that no checkpoint
     holds: the rotary cos/sin cache (computed from the config, put back unchanged) and a tied LM head (it is the
-    embedding, which was loaded; `repack_lm_heads` follows it). The fidelity check compares engine and learner."""
+    embedding, which was loaded; `repack_lm_heads` follows it); in a reload of only the changed weights
+    (`complete` false), for every layer, each keeping its weights. The fidelity check compares engine and learner."""
 
     def __init__(self, tied_head: bool):
         super().__init__()
         self.layers = ("RotaryEmbedding", "ParallelLMHead") if tied_head else ("RotaryEmbedding",)
+        self.complete = True
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(f"{layer}: Failed to load weights" in record.getMessage() for layer in self.layers)
+        message = record.getMessage()
+        if "Failed to load weights" not in message:
+            return True
+        return self.complete and not any(f"{layer}: Failed to load weights" in message for layer in self.layers)
 
 
 def tied_head(worker) -> bool:
     return bool(worker.model_config.hf_text_config.tie_word_embeddings)
 
 
-def quiet_reload_notices(worker) -> None:
-    """Install `ReloadNotices` in this worker's process (once)."""
+def quiet_reload_notices(worker) -> ReloadNotices:
+    """Install `ReloadNotices` in this worker's process (once); returns it."""
     logger = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, ReloadNotices) for f in logger.filters):
-        logger.addFilter(ReloadNotices(tied_head(worker)))
+    notices = next((f for f in logger.filters if isinstance(f, ReloadNotices)), None)
+    if notices is None:
+        notices = ReloadNotices(tied_head(worker))
+        logger.addFilter(notices)
+    return notices
 
 
 def repack_lm_heads(worker) -> None:
@@ -56,11 +64,13 @@ def repack_lm_heads(worker) -> None:
             module.quant_method.process_weights_after_loading(module)
 
 
-def begin_reload(worker) -> None:
+def begin_reload(worker, complete: bool = True) -> None:
     """Open an in-place reload: each layer is reprocessed once all of its weights have arrived (vLLM's layerwise
-    reload, as `reload_weights` does it)."""
+    reload, as `reload_weights` does it); a layer that gets none keeps its weights. `complete`: every weight will
+    arrive (else only the changed ones, each fused layer whole)."""
     from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
+    quiet_reload_notices(worker).complete = complete
     initialize_layerwise_reload(worker.get_model())
 
 
@@ -112,11 +122,11 @@ def join_broadcast(worker, host: str, port: int, world_size: int, first_rank: in
     return rank
 
 
-def load_broadcast(worker, meta: list) -> int:
+def load_broadcast(worker, meta: list, complete: bool = True) -> int:
     """One whole reload from the broadcast (`meta`: (name, dtype, shape) in the sender's order), every tensor received
     by this shard itself; returns how many tensors arrived."""
     group, device = worker.medray_broadcast
-    begin_reload(worker)
+    begin_reload(worker, complete)
     count = load_weights(worker, receive_broadcast(group, meta, device))
     finish_reload(worker)
     return count

@@ -171,7 +171,7 @@ class RolloutWorker:
         """Load weights of `manifest.version` from the object store into every shard, bucket by bucket (each bucket
         read once here, then sent to every shard). Returns the seconds taken."""
         start = time.perf_counter()
-        self.llm.collective_rpc(begin_reload)
+        self.llm.collective_rpc(begin_reload, args=(manifest.complete,))
         for bucket in receive_buckets(manifest):
             self.llm.collective_rpc(load_weights, args=(bucket,))
         self.llm.collective_rpc(finish_reload)
@@ -182,11 +182,11 @@ class RolloutWorker:
         them."""
         return self.llm.collective_rpc(join_broadcast, args=(host, port, world_size, first_rank))
 
-    def receive_broadcast(self, version: int, meta: list) -> float:
-        """Load weights of `version` as learner rank 0 broadcasts them; every shard receives them itself. Returns
-        the seconds taken."""
+    def receive_broadcast(self, version: int, meta: list, complete: bool = True) -> float:
+        """Load weights of `version` as learner rank 0 broadcasts them (`complete`: all of them, else only those that
+        changed); every shard receives them itself. Returns the seconds taken."""
         start = time.perf_counter()
-        self.llm.collective_rpc(load_broadcast, args=(meta,))
+        self.llm.collective_rpc(load_broadcast, args=(meta, complete))
         return self._after_reload(version, start)
 
     def _after_reload(self, version: int, start: float) -> float:

@@ -14,6 +14,9 @@ shipped) at 8 prompts x 4 samples = 32 samples a step (dynamic sampling off: one
   engine_bf16_tis the engine samples in bfloat16 (rollout.dtype) with truncated importance sampling correcting the
                   engine-vs-learner gap (algorithm.rollout_correction.kind=tis)
   zero1_engine_bf16_tis  both
+  lora            LoRA adapters (rank 16 on every linear layer of the decoder) trained instead of every weight
+                  (learner.lora); the engine gets the merged weights of the layers they change
+  lora_checkpointing  LoRA and activation checkpointing
 The engine samples in float32 unless the variant says otherwise. Means over steps 2..N (step 1 warms engines and
 caches); the last step also runs the fidelity check (engine vs learner log-probabilities after the sync), reported
 beside the variant's tolerance; startup_s is the set-up before step 1 (Ray, actors, models loaded), by phase in the
@@ -44,7 +47,9 @@ VARIANTS = {"shipped": [], "zero1": ["learner.zero_stage=1"],
             "tokens": ["learner.max_tokens_per_micro_batch=4096"],
             "engine_bf16_tis": ["rollout.dtype=bfloat16", "algorithm.rollout_correction.kind=tis"],
             "zero1_engine_bf16_tis": ["learner.zero_stage=1", "rollout.dtype=bfloat16",
-                                      "algorithm.rollout_correction.kind=tis"]}
+                                      "algorithm.rollout_correction.kind=tis"],
+            "lora": ["learner.lora.rank=16"],
+            "lora_checkpointing": ["learner.lora.rank=16", "learner.gradient_checkpointing=true"]}
 ROLES = {"learner": "ray::LearnerWorker", "rollout": "ray::RolloutWorker", "reward": "ray::RewardActor"}
 
 
@@ -120,7 +125,8 @@ def main() -> None:
             load = os.getloadavg()[0]
             history = Trainer(cfg).fit()
         timed = history[1:]
-        mean = {k: statistics.mean(r[k] for r in timed) for k in ("step_s", "generate_s", "train_s", "sync_s")}
+        mean = {k: statistics.mean(r[k] for r in timed) for k in ("step_s", "generate_s", "train_s", "sync_s",
+                                                                  "sync_mb")}
         logged = {k: max(r[k] for r in history) for k in ("memory/learner_peak_gb", "mismatch/max_ratio")
                   if k in history[0]}
         rows.append({"variant": variant, "samples": 32, **mean, "sync_share": mean["sync_s"] / mean["step_s"],

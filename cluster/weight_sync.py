@@ -29,9 +29,11 @@ class TensorSlot:
 
 @dataclass
 class WeightManifest:
-    """What a rollout worker needs to load weights of `version`: bucket refs and where each tensor lies."""
+    """What a rollout worker needs to load weights of `version`: bucket refs and where each tensor lies;
+    `complete`: every weight of the model (else only those that changed, e.g. the layers LoRA trains)."""
     version: int
     buckets: list[tuple[ray.ObjectRef, list[TensorSlot]]]
+    complete: bool = True
 
     @property
     def num_bytes(self) -> int:
@@ -56,7 +58,8 @@ class WeightPublisher:
             self.buffers[key] = buf
         return buf[:numel]
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> WeightManifest:
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                complete: bool = True) -> WeightManifest:
         self.last = None  # drop our refs to the previous round before putting the new one
         buckets, pending, pending_bytes = [], [], 0
 
@@ -85,7 +88,7 @@ class WeightPublisher:
                 flush()
         if pending:
             flush()
-        self.last = WeightManifest(version, buckets)
+        self.last = WeightManifest(version, buckets, complete)
         return self.last
 
 

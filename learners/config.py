@@ -105,6 +105,17 @@ class AlgorithmConfig(Strict):
         return self
 
 
+class LoraConfig(Strict):
+    """Low-rank adapters trained instead of the whole policy (learners/lora.py); engines and checkpoints get the
+    merged weights."""
+    rank: int = Field(16, ge=1, description="r: each adapted weight W [out, in] gets B [out, r] A [r, in]")
+    alpha: float = Field(32.0, gt=0, description="the adapters' product B A is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0, lt=1, description="on the adapters' input; > 0 makes the learner's first "
+                                                         "forward differ from the policy that sampled")
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                      min_length=1, description="names of the linear layers that get adapters")
+
+
 class LearnerConfig(Strict):
     zero_stage: Literal[1, 2, 3] = Field(2, description="1: optimizer state partitioned, gradients reduced once per "
                                                          "optimizer step; 2: gradients partitioned too, reduced after "
@@ -128,6 +139,15 @@ class LearnerConfig(Strict):
                                "optimizer state stay in model.dtype. bfloat16 pays off on GPUs and on CPUs with "
                                "AVX512-BF16 or AMX; without them its matmuls are emulated and far slower. auto: "
                                "bfloat16 where the learner's device multiplies it natively, else float32")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters only; null: every weight (full "
+                                                      "fine-tuning)")
+
+    @model_validator(mode="after")
+    def _lora_is_not_zero3(self):
+        if self.lora is not None and self.zero_stage == 3:
+            raise ValueError("lora: adapters are too small to partition; use zero_stage 1 or 2 (the frozen weights "
+                             "stay whole on every rank)")
+        return self
 
 
 class RetrievalSection(Strict):

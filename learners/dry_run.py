@@ -16,7 +16,8 @@ import json
 import math
 
 from learners.config import RunConfig
-from learners.memory_plan import fit_problems, host_plan, keeps_reference, learner_bytes, model_size, phase_totals
+from learners.memory_plan import (fit_problems, host_plan, keeps_reference, learner_bytes, model_size,
+                                  phase_totals, trainable_params)
 
 GiB = 2**30
 
@@ -57,7 +58,9 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
               for s in cfg.stage_plan()]
     kl = keeps_reference(cfg)
     weight_bytes = params * (2 if cfg.engine_dtype() in ("bfloat16", "float16") else 4)
-    learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num, kl)
+    trainable = trainable_params(cfg, params, model_config)
+    learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num,
+                            kl and cfg.learner.lora is None, trainable)
     # vLLM takes gpu_memory_utilization of each of its devices (one per shard) for weights + KV cache, whatever the
     # model's size; a shard holds 1/tensor_parallel_size of the weights.
     shards = cfg.cluster.rollout.tensor_parallel_size

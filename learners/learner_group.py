@@ -6,6 +6,7 @@ import logging
 import time
 
 import ray
+import torch
 
 from cluster.devices import allocator_env
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
@@ -117,7 +118,7 @@ class LearnerGroup:
             world = 1 + len(workers) * shards
             ray.get([self.ranks[0].join_broadcast_group.remote(host, port, world)] +
                     [w.join_broadcast_group.remote(host, port, world, 1 + i * shards) for i, w in enumerate(workers)])
-            self.meta = ray.get(self.ranks[0].weight_meta.remote())
+            self.meta, self.complete = ray.get(self.ranks[0].weight_meta.remote())
 
     def sync(self, version: int) -> dict:
         """Send the weights of `version` to every rollout worker; all learner ranks take part (ZeRO-3 gathers)."""
@@ -126,6 +127,7 @@ class LearnerGroup:
         if self.transport == "object_store":
             publish = self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb)
             (manifest, send_s), *_ = self._all([publish, *helpers], "weight sync")
+            sent = manifest.num_bytes
             for retries in range(3):  # a worker Ray restarts mid-sync reads the same buckets once it is back
                 try:
                     load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
@@ -138,12 +140,13 @@ class LearnerGroup:
             del manifest, publish  # the objects are freed as soon as no one holds the manifest
         else:
             retries = 0
+            sent = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in self.meta)
             send = self.ranks[0].broadcast_weights.remote()
-            receives = [w.receive_broadcast.remote(version, self.meta) for w in self.workers]
+            receives = [w.receive_broadcast.remote(version, self.meta, self.complete) for w in self.workers]
             send_s = self._all([send, *helpers], "weight sync")[0]
             load_s = ray.get(receives)
         return {"sync_s": time.perf_counter() - start, "sync_send_s": send_s, "sync_load_s": max(load_s),
-                "sync_retries": retries}
+                "sync_retries": retries, "sync_mb": sent / 2**20}
 
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         return self._all([r.sequence_logprobs.remote(sequences, images) for r in self.ranks], "a logprob check")[0]

@@ -5,6 +5,7 @@ import logging
 import os
 import socket
 import time
+from contextlib import nullcontext
 
 import ray
 import torch
@@ -16,6 +17,7 @@ from learners import algorithm as algo
 from learners.batches import (deal_micro_batches, forward_logp, image_inputs, load_causal_lm, lr_lambda, micro_batch,
                               to_device)
 from learners.checkpoint import checksums
+from learners.lora import has_adapters, merged_weights, policy, with_adapters
 from tasks.storage import Storage, split_checkpoint_uri, upload_share
 
 log = logging.getLogger("medray.learner")
@@ -52,10 +54,14 @@ class LearnerWorker:
                         "matmuls are emulated and far slower than float32", self.device)
         model = load_causal_lm(model_path, dtype)
         if learner["gradient_checkpointing"]:
-            model.gradient_checkpointing_enable()
+            # non-reentrant: with LoRA the checkpointed layers' inputs need no gradient, and reentrant
+            # checkpointing would then give the adapters none
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if learner["lora"]:
+            model = with_adapters(model, **learner["lora"])
         self.micro_batches = 1  # per optimizer step; set from each batch's size (stages may differ)
         self.lr = learner["lr"]  # the schedule's base; a stage may set its own
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learner["lr"], betas=tuple(learner["betas"]),
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learner["lr"], betas=tuple(learner["betas"]),
                                       weight_decay=learner["weight_decay"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(learner["lr_schedule"], learner["warmup_steps"], total_updates))
@@ -76,10 +82,14 @@ class LearnerWorker:
         }
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=ds_config)
+        self.policy = policy(self.engine.module)  # the Hugging Face model, computing with the adapters if any
         self.reference = None
-        if with_reference:  # some stage has a KL term
+        # some stage has a KL term: the reference is a frozen copy of the weights, or with LoRA the same model with
+        # its adapters off
+        if with_reference and not learner["lora"]:
             self.reference = load_causal_lm(model_path, dtype).to(self.device).eval().requires_grad_(False)
-        self.pad_id = self.engine.module.config.get_text_config().pad_token_id or 0
+        self.kl_reference = with_reference
+        self.pad_id = self.policy.config.get_text_config().pad_token_id or 0
         self.vision = ImageTokens.for_model(model_path)  # the image processor the rollout engines use, or None
         return str(self.compute_dtype).removeprefix("torch.")
 
@@ -117,7 +127,7 @@ class LearnerWorker:
                 self._set_accumulation(len(plans[k]))
                 for m, picked in enumerate(plans[k]):
                     batch = to_device(micro_batch([mini[i] for i in picked], self.pad_id, self.vision), self.device)
-                    logp, entropy = forward_logp(self.engine.module, batch, with_entropy=True,
+                    logp, entropy = forward_logp(self.policy, batch, with_entropy=True,
                                                  temperature=temperature if grpo else 1.0,
                                                  compute_dtype=self.compute_dtype)
                     if grpo:
@@ -170,7 +180,7 @@ class LearnerWorker:
                 mini = trajs[part]
                 for m, picked in enumerate(plans[k]):
                     batch = to_device(micro_batch([mini[i] for i in picked], self.pad_id, self.vision), self.device)
-                    out[(k, m)], _ = forward_logp(self.engine.module, batch, with_entropy=False,
+                    out[(k, m)], _ = forward_logp(self.policy, batch, with_entropy=False,
                                                   temperature=temperature, compute_dtype=self.compute_dtype)
         return out
 
@@ -180,10 +190,11 @@ class LearnerWorker:
         to the reference and the rollout correction when set, at the ratio's level; the engine-vs-learner mismatch is
         measured wherever the learner's behaviour log-probabilities are known."""
         ref_logp = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logp, _ = forward_logp(self.reference, batch, with_entropy=False, temperature=temperature,
-                                           compute_dtype=self.compute_dtype)
+        if self.kl_reference:
+            adapters_off = self.engine.module.disable_adapter() if self.reference is None else nullcontext()
+            with torch.no_grad(), adapters_off:
+                ref_logp, _ = forward_logp(self.reference or self.policy, batch, with_entropy=False,
+                                           temperature=temperature, compute_dtype=self.compute_dtype)
         correction, weights, mismatch = algorithm["rollout_correction"], None, {}
         if learner_old is not None:
             weights, mismatch = algo.rollout_correction(learner_old, batch["old_logp"], batch["mask"],
@@ -202,22 +213,27 @@ class LearnerWorker:
             self.engine.set_train_batch_size(self.cfg["learner"]["micro_batch_size"] * micro_batches * self.world_size)
             self.micro_batches = micro_batches
 
-    def named_weights(self):
-        """(name, full tensor) for every parameter; under ZeRO-3 all ranks must iterate together."""
-        module = self.engine.module
+    def named_weights(self, synced: bool = False):
+        """(name, full tensor) for every parameter, named as in the model's checkpoint; with LoRA the merged
+        weights, and `synced` just those the adapters change (what a weight sync sends). Under ZeRO-3 all ranks
+        must iterate together."""
+        if has_adapters(self.engine.module):
+            yield from merged_weights(self.policy, changed_only=synced)
+            return
         zero3 = self.cfg["learner"]["zero_stage"] == 3
         import deepspeed
-        for name, param in module.named_parameters():
+        for name, param in self.policy.named_parameters():
             if zero3:
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                     yield name, param.detach().clone()
             else:
                 yield name, param.detach()
 
-    def help_gather(self) -> None:
+    def help_gather(self, synced: bool = False) -> None:
         """What ranks other than 0 do while rank 0 reads the weights: take part in ZeRO-3's gathers."""
-        for _ in self.named_weights():
-            pass
+        if self.cfg["learner"]["zero_stage"] == 3:
+            for _ in self.named_weights(synced):
+                pass
 
     def publish_weights(self, version: int, bucket_mb: float):
         """Rank 0 puts the weights into the object store and returns (manifest, seconds)."""
@@ -225,14 +241,19 @@ class LearnerWorker:
         start = time.perf_counter()
         if not hasattr(self, "publisher"):
             self.publisher = WeightPublisher(bucket_mb)
-        manifest = self.publisher.publish(self.named_weights(), version)
+        manifest = self.publisher.publish(self.named_weights(synced=True), version,
+                                          complete=not has_adapters(self.engine.module))
         return manifest, time.perf_counter() - start
 
-    def weight_meta(self) -> list[tuple[str, str, tuple[int, ...]]]:
-        """(name, dtype, shape) of every parameter, in broadcast order (rank 0; the full shapes under ZeRO-3)."""
-        module = self.engine.module
-        shapes = {n: tuple(getattr(p, "ds_shape", p.shape)) for n, p in module.named_parameters()}
-        return [(n, str(p.dtype).removeprefix("torch."), shapes[n]) for n, p in module.named_parameters()]
+    def weight_meta(self) -> tuple[list[tuple[str, str, tuple[int, ...]]], bool]:
+        """(name, dtype, shape) of every tensor a weight sync broadcasts, in its order (rank 0; the full shapes under
+        ZeRO-3), and whether those are all the model's weights (not with LoRA: only the layers it changes)."""
+        if has_adapters(self.engine.module):
+            meta = [(n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in self.named_weights(True)]
+            return meta, False
+        params = list(self.policy.named_parameters())
+        return [(n, str(p.dtype).removeprefix("torch."), tuple(getattr(p, "ds_shape", p.shape)))
+                for n, p in params], True
 
     def join_broadcast_group(self, host: str, port: int, world_size: int) -> None:
         from cluster.weight_sync import join_broadcast_group
@@ -242,7 +263,7 @@ class LearnerWorker:
         """Rank 0 broadcasts every parameter to the rollout workers; returns the seconds taken."""
         from cluster.weight_sync import broadcast_weights
         start = time.perf_counter()
-        broadcast_weights(self.broadcast_group, self.named_weights())
+        broadcast_weights(self.broadcast_group, self.named_weights(synced=True))
         return time.perf_counter() - start
 
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
@@ -255,17 +276,20 @@ class LearnerWorker:
             for seq, seq_images in zip(sequences, images or [[]] * len(sequences)):
                 ids = torch.tensor([seq], device=self.device)
                 pixels = {k: v.to(self.device) for k, v in image_inputs(ids, seq_images, self.vision).items()}
-                logits = self.engine.module(input_ids=ids, **pixels).logits[:, :-1].float()
+                logits = self.policy(input_ids=ids, **pixels).logits[:, :-1].float()
                 out.append(algo.token_logprobs(logits, ids[:, 1:]).squeeze(0).tolist())
         return out
 
     def save(self, checkpoint_dir: str) -> None:
-        """DeepSpeed state (weights, optimizer, scheduler) on every rank; rank 0 also writes the HF model there."""
+        """DeepSpeed state (weights, optimizer, scheduler) on every rank; rank 0 also writes the HF model there (with
+        LoRA: merged, and the adapters alone under `adapter/`, loadable with PEFT onto model.path)."""
         self.engine.save_checkpoint(checkpoint_dir, tag="deepspeed", save_latest=False)
         if self.rank != 0:
             return self.help_gather()
         weights = {name: tensor.cpu() for name, tensor in self.named_weights()}
-        self.engine.module.save_pretrained(checkpoint_dir, state_dict=weights, safe_serialization=True)
+        self.policy.save_pretrained(checkpoint_dir, state_dict=weights, safe_serialization=True)
+        if has_adapters(self.engine.module):
+            self.engine.module.save_pretrained(os.path.join(checkpoint_dir, "adapter"), safe_serialization=True)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()

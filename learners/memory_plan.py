@@ -27,6 +27,7 @@ GB = 1e9
 PROCESS_GB = {"learner": 0.7, "rollout": 0.9, "judge": 0.9, "driver": 0.7}  # torch, DeepSpeed / vLLM, Ray imported
 SERVICE_GB = 0.4  # a reward, retriever or tool actor without a model of its own
 BUFFER_BYTES_PER_PARAM = 23
+LORA_SYNC_BYTES_PER_PARAM = 8  # with LoRA: the merged weights a sync sends, and the publisher's buffers for them
 ACTIVATION_FLOATS = 35
 ENGINE_WEIGHT_COPIES = 6
 
@@ -34,8 +35,7 @@ ENGINE_WEIGHT_COPIES = 6
 def model_size(cfg: RunConfig) -> tuple[int, str, object | None]:
     """(parameters, where the number came from, the model's transformers config or None): the model's config.json
     built on the meta device (no weights read), else `model.size_hint_b` (no config), else the tiny model's config."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
 
     path = resolve_model(cfg.model.path) if cfg.model.path else None
     if path and (Path(path) / "config.json").is_file():
@@ -48,23 +48,47 @@ def model_size(cfg: RunConfig) -> tuple[int, str, object | None]:
     else:
         from tasks.tiny_models import ensure_tiny_model
         config, source = AutoConfig.from_pretrained(ensure_tiny_model(cfg.model.tiny)), "model.tiny"
+    return sum(p.numel() for p in meta_model(config).parameters()), source, config
+
+
+def meta_model(config):
+    """The model of a transformers `config` on the meta device: shapes, no weights."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
     cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
-        model = cls.from_config(config)
-    return sum(p.numel() for p in model.parameters()), source, config
+        return cls.from_config(config)
 
 
-def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, reference: bool) -> float:
+def trainable_params(cfg: RunConfig, params: int, model_config) -> int:
+    """Parameters the learner trains: all of them, or with `learner.lora` its adapters', rank x (in + out) for each
+    target linear layer."""
+    import torch
+
+    lora = cfg.learner.lora
+    if lora is None:
+        return params
+    if model_config is None:  # no shapes: LoRA's adapters are ~1% of a model at the usual ranks
+        return params // 100
+    return sum(lora.rank * (m.in_features + m.out_features) for name, m in meta_model(model_config).named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in lora.target_modules)
+
+
+def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, reference: bool,
+                  trainable: int | None = None) -> float:
     """Bytes per learner rank for weights, gradients and Adam state under ZeRO-`zero_stage` over `ranks`: the
     mixed-precision accounting of Rajbhandari et al. 2020 (ZeRO), per parameter 2 bytes of bf16/fp16 weights and 2 of
-    gradients plus 12 of fp32 master weights and Adam moments (fp32 training: 4 + 4 + 8); `reference` adds a frozen
+    gradients plus 12 of fp32 master weights and Adam moments (fp32 training: 4 + 4 + 8), gradients and optimizer
+    state only for the `trainable` ones (default all: LoRA trains its adapters only); `reference` adds a frozen
     copy of the weights (the KL reference)."""
     half = dtype in ("bfloat16", "float16")
     weights, grads, optim = (2, 2, 12) if half else (4, 4, 8)
+    trainable = params if trainable is None else trainable
     # ZeRO-1 partitions the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too
-    per_param = (weights if zero_stage < 3 else weights / ranks) + (grads if zero_stage == 1 else grads / ranks) \
-        + optim / ranks
-    return params * (per_param + (weights if reference else 0))
+    state = (grads if zero_stage == 1 else grads / ranks) + optim / ranks
+    return params * ((weights if zero_stage < 3 else weights / ranks) + (weights if reference else 0)) \
+        + trainable * state
 
 
 def keeps_reference(cfg: RunConfig) -> bool:
@@ -79,11 +103,15 @@ def ray_memory_threshold() -> float:
 
 def learner_rank_gb(params: int, layers: int, hidden: int, vocab: int, tokens: int, *, dtype: str = "float32",
                     compute_dtype: str = "float32", zero_stage: int = 2, ranks: int = 1, reference: bool = False,
-                    checkpointing: bool = False) -> dict[str, float]:
+                    checkpointing: bool = False, trainable: int | None = None) -> dict[str, float]:
     """A learner rank's resident memory between steps (`resident`) and its peak training a micro-batch of `tokens`
-    packed tokens (`peak`), in GB."""
-    resident = PROCESS_GB["learner"] * GB + learner_bytes(params, dtype, zero_stage, ranks, reference) \
-        + BUFFER_BYTES_PER_PARAM * params
+    packed tokens (`peak`), in GB. `trainable`: with LoRA, the adapters' parameters (the reference is then the
+    model with adapters off, no copy)."""
+    lora = trainable is not None and trainable < params
+    buffers = BUFFER_BYTES_PER_PARAM * trainable + LORA_SYNC_BYTES_PER_PARAM * params if lora \
+        else BUFFER_BYTES_PER_PARAM * params
+    resident = PROCESS_GB["learner"] * GB + buffers \
+        + learner_bytes(params, dtype, zero_stage, ranks, reference and not lora, trainable)
     act_bytes = 4 if compute_dtype == "float32" else 2
     per_token_layer = hidden * (1 if checkpointing else ACTIVATION_FLOATS)
     activations = tokens * layers * per_token_layer * act_bytes \
@@ -117,7 +145,8 @@ def host_plan(cfg, params: int, model_config, roles: tuple[str, ...]) -> list[di
                                      dtype=cfg.model.dtype,
                                      compute_dtype=resolve_compute_dtype(cfg.learner.compute_dtype, "cpu"),
                                      zero_stage=cfg.learner.zero_stage, ranks=cfg.cluster.learner.num, reference=kl,
-                                     checkpointing=cfg.learner.gradient_checkpointing)
+                                     checkpointing=cfg.learner.gradient_checkpointing,
+                                     trainable=trainable_params(cfg, params, model_config))
                for name, n in tokens.items()}
     rows = [{"role": "driver", "num": 1, "resident_gb": PROCESS_GB["driver"]}]
     for role in roles:

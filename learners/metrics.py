@@ -32,7 +32,7 @@ GROUPS = {
     "rollout": ("response_length", "truncated_fraction", "tokens_per_s", "env_calls", "env_errors",
                 "env_calls_per_episode", "env_idle_fraction", "groups_filtered",
                 "groups_padded", "extra_generation_rounds"),
-    "weights": ("weight_version", "batch_weight_version", "version_lag", "sync_retries"),
+    "weights": ("weight_version", "batch_weight_version", "version_lag", "sync_retries", "sync_mb"),
     "progress": ("stage",),
 }
 RENAMED = {"reward_mean": "reward/mean", "reward_std": "reward/std", "accuracy": "reward/accuracy",

@@ -1,0 +1,87 @@
+"""LoRA RL: adapters merged exactly, only changed layers synced, a run that trains adapters only and saves both."""
+import copy
+import json
+
+import pytest
+import torch
+
+from learners import lora
+from learners.batches import load_causal_lm
+from learners.config import ConfigError, load_config
+
+
+@pytest.fixture
+def adapted(tiny_model_path):
+    """The tiny policy with rank-4 adapters on q, o and down, B made non-zero (as after training)."""
+    model = lora.with_adapters(load_causal_lm(str(tiny_model_path), torch.float32), 4, 8.0, 0.0,
+                               ["q_proj", "o_proj", "down_proj"])
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def test_merged_weights_equal_peft_merge_under_the_model_own_names(adapted, tiny_model_path):
+    plain = load_causal_lm(str(tiny_model_path), torch.float32)
+    merged = dict(lora.merged_weights(lora.policy(adapted)))
+    assert sorted(merged) == sorted(n for n, _ in plain.named_parameters())
+    reference = copy.deepcopy(adapted).merge_and_unload().state_dict()
+    assert max((reference[k] - v).abs().max().item() for k, v in merged.items()) < 1e-6
+    # the adapters changed q, o and down; every other weight is the model's own
+    changed = [k for k, v in merged.items() if not v.equal(plain.state_dict()[k])]
+    assert {k.rsplit(".", 2)[-2] for k in changed} == {"q_proj", "o_proj", "down_proj"}
+
+
+def test_a_sync_sends_changed_layers_whole_fused_layers_included(adapted):
+    sent = dict(lora.merged_weights(lora.policy(adapted), changed_only=True))
+    # q_proj is fused with k and v in the engine (qkv_proj): all three are sent; gate/up were not touched
+    assert {k.rsplit(".", 2)[-2] for k in sent} == {"q_proj", "k_proj", "v_proj", "o_proj", "down_proj"}
+    assert not any(".lora_" in k or "base_layer" in k for k in sent)
+
+
+def test_only_adapters_are_trainable_and_adapters_off_is_the_base_model(adapted, tiny_model_path):
+    trainable = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    base = load_causal_lm(str(tiny_model_path), torch.float32)
+    with adapted.disable_adapter():
+        assert torch.allclose(lora.policy(adapted)(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-6)
+    assert not torch.allclose(lora.policy(adapted)(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-3)
+
+
+def test_lora_with_zero3_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="learner.*zero_stage 1 or 2"):
+        load_config("configs/tiny.yaml", ["learner.lora.rank=8", "learner.zero_stage=3"])
+
+
+@pytest.mark.slow
+def test_a_lora_run_trains_adapters_syncs_them_and_checkpoints_adapter_and_merged_model(ray_session, tiny_model_path,
+                                                                                      tmp_path):
+    """Three GRPO steps with LoRA and a KL term (the reference: adapters off): after every sync the engine's
+    log-probabilities equal the learner's, a sync moves less than the whole model, and the checkpoint holds a merged
+    model (loaded by transformers) equal to the adapter applied to the base model with PEFT."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from test_training_e2e import run
+    metrics = run(tmp_path, "learner.lora.rank=4", "learner.lora.alpha=16", "learner.lr=0.01",
+                  "algorithm.kl_beta=0.01")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
+    assert any(m["grad_norm"] > 0 for m in metrics)
+    assert metrics[-1]["kl"] > 0  # the trained adapters moved the policy away from the reference (adapters off)
+    whole_mb = (tiny_model_path / "model.safetensors").stat().st_size / 2**20
+    assert all(0 < m["sync_mb"] < whole_mb for m in metrics)
+
+    latest = tmp_path / "checkpoints" / "latest"
+    adapter = json.loads((latest / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == 4 and (latest / "adapter" / "adapter_model.safetensors").is_file()
+    merged = AutoModelForCausalLM.from_pretrained(latest).state_dict()
+    initial = load_file(tiny_model_path / "model.safetensors")
+    assert any(not merged[k].equal(v) for k, v in initial.items() if "q_proj" in k), "the adapters did not train"
+    assert all(merged[k].equal(v) for k, v in initial.items() if "embed" in k or "norm" in k)
+    applied = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), latest / "adapter")
+    applied = applied.merge_and_unload().state_dict()
+    assert max((applied[k] - merged[k]).abs().max().item() for k in initial) < 1e-5
