@@ -27,8 +27,9 @@ GB = 1e9
 PROCESS_GB = {"learner": 0.7, "rollout": 0.9, "judge": 0.9, "driver": 0.7}  # torch, DeepSpeed / vLLM, Ray imported
 SERVICE_GB = 0.4  # a reward, retriever or tool actor without a model of its own
 BUFFER_BYTES_PER_PARAM = 23
-LORA_SYNC_BYTES_PER_PARAM = 8  # with LoRA: the merged weights a sync sends, and the publisher's buffers for them
+LORA_SYNC_BYTES_PER_PARAM = 10  # with LoRA: the merged weights a sync sends, and the publisher's buffers for them
 ACTIVATION_FLOATS = 35
+LORA_ACTIVATION_FLOATS = 23  # frozen layers keep no input for a weight gradient
 ENGINE_WEIGHT_COPIES = 6
 
 
@@ -113,9 +114,10 @@ def learner_rank_gb(params: int, layers: int, hidden: int, vocab: int, tokens: i
     resident = PROCESS_GB["learner"] * GB + buffers \
         + learner_bytes(params, dtype, zero_stage, ranks, reference and not lora, trainable)
     act_bytes = 4 if compute_dtype == "float32" else 2
-    per_token_layer = hidden * (1 if checkpointing else ACTIVATION_FLOATS)
+    floats = LORA_ACTIVATION_FLOATS if lora else ACTIVATION_FLOATS
+    per_token_layer = hidden * (1 if checkpointing else floats)
     activations = tokens * layers * per_token_layer * act_bytes \
-        + (tokens * hidden * ACTIVATION_FLOATS * act_bytes if checkpointing else 0)
+        + (tokens * hidden * floats * act_bytes if checkpointing else 0)
     logits = 3 * min(tokens, LOGIT_CHUNK) * vocab * 4  # float32 logits, log-softmax, their gradient
     return {"resident": resident / GB, "peak": (resident + activations + logits) / GB}
 

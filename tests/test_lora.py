@@ -1,6 +1,7 @@
 """LoRA RL: adapters merged exactly, only changed layers synced, a run that trains adapters only and saves both."""
 import copy
 import json
+import shutil
 
 import pytest
 import torch
@@ -59,15 +60,17 @@ def test_lora_with_zero3_is_refused_naming_the_field():
 def test_a_lora_run_trains_adapters_syncs_them_and_checkpoints_adapter_and_merged_model(ray_session, tiny_model_path,
                                                                                       tmp_path):
     """Three GRPO steps with LoRA and a KL term (the reference: adapters off): after every sync the engine's
-    log-probabilities equal the learner's, a sync moves less than the whole model, and the checkpoint holds a merged
-    model (loaded by transformers) equal to the adapter applied to the base model with PEFT."""
+    log-probabilities equal the learner's, a sync moves less than the whole model, the checkpoint holds a merged
+    model (loaded by transformers) equal to the adapter applied to the base model with PEFT, and a run resumed from
+    step 2 takes step 3 as the uninterrupted run did."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from test_training_e2e import run
-    metrics = run(tmp_path, "learner.lora.rank=4", "learner.lora.alpha=16", "learner.lr=0.01",
-                  "algorithm.kl_beta=0.01")
+    out = tmp_path / "run"
+    lora_run = ["learner.lora.rank=4", "learner.lora.alpha=16", "learner.lr=0.01", "algorithm.kl_beta=0.01"]
+    metrics = run(out, *lora_run)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
     assert any(m["grad_norm"] > 0 for m in metrics)
@@ -75,7 +78,7 @@ def test_a_lora_run_trains_adapters_syncs_them_and_checkpoints_adapter_and_merge
     whole_mb = (tiny_model_path / "model.safetensors").stat().st_size / 2**20
     assert all(0 < m["sync_mb"] < whole_mb for m in metrics)
 
-    latest = tmp_path / "checkpoints" / "latest"
+    latest = out / "checkpoints" / "latest"
     adapter = json.loads((latest / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == 4 and (latest / "adapter" / "adapter_model.safetensors").is_file()
     merged = AutoModelForCausalLM.from_pretrained(latest).state_dict()
@@ -85,3 +88,11 @@ def test_a_lora_run_trains_adapters_syncs_them_and_checkpoints_adapter_and_merge
     applied = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_path), latest / "adapter")
     applied = applied.merge_and_unload().state_dict()
     assert max((applied[k] - merged[k]).abs().max().item() for k in initial) < 1e-5
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out, resumed, symlinks=True)
+    shutil.rmtree(resumed / "checkpoints" / "step_3")
+    (resumed / "metrics.jsonl").write_text("".join(f"{json.dumps(m)}\n" for m in metrics[:2]))
+    again = run(resumed, *lora_run, "resume=true")
+    for key in ("reward_mean", "loss", "grad_norm", "kl"):
+        assert again[2][key] == pytest.approx(metrics[2][key], rel=1e-5, abs=1e-6), key

@@ -26,13 +26,25 @@ def test_a_learner_rank_by_hand():
     assert ckpt["peak"] == pytest.approx(0.733 + 80_000 / 1e9 + 1.4e-3 + 614_400 / 1e9)
 
 
-def test_the_estimate_is_within_ten_percent_of_the_measured_real_model_peaks():
-    rows = {r["variant"]: r for r in json.loads((ROOT / "benchmarks/results/step_real.json").read_text())["rows"]}
-    for variant, checkpointing in (("shipped", False), ("checkpointing", True)):
-        tokens = 4 * rows[variant]["tokens_per_sequence"]  # micro_batch_size 4, packed
-        est = learner_rank_gb(SMOLLM2["params"], SMOLLM2["layers"], SMOLLM2["hidden"], SMOLLM2["vocab"],
-                              int(tokens), ranks=2, zero_stage=2, checkpointing=checkpointing)
-        assert est["peak"] == pytest.approx(rows[variant]["memory/learner_peak_gb"], rel=0.1), variant
+@pytest.mark.parametrize("results, variant, checkpointing, trainable", [
+    ("step_real", "shipped", False, None), ("step_real", "checkpointing", True, None),
+    # LoRA rank 16 on every linear layer of the decoder: 4,884,480 adapter parameters
+    ("step_lora", "lora", False, 4_884_480), ("step_lora", "lora_checkpointing", True, 4_884_480)])
+def test_the_estimate_is_within_ten_percent_of_the_measured_real_model_peaks(results, variant, checkpointing,
+                                                                             trainable):
+    rows = {r["variant"]: r for r in json.loads((ROOT / f"benchmarks/results/{results}.json").read_text())["rows"]}
+    tokens = 4 * rows[variant]["tokens_per_sequence"]  # micro_batch_size 4, packed
+    est = learner_rank_gb(SMOLLM2["params"], SMOLLM2["layers"], SMOLLM2["hidden"], SMOLLM2["vocab"],
+                          int(tokens), ranks=2, zero_stage=2, checkpointing=checkpointing, trainable=trainable)
+    assert est["peak"] == pytest.approx(rows[variant]["memory/learner_peak_gb"], rel=0.1), variant
+
+
+def test_lora_trains_only_its_adapters():
+    cfg = load_config("configs/quickstart_lora.yaml")
+    from learners.memory_plan import model_size, trainable_params
+    params, _, model_config = model_size(cfg)
+    # rank 16 x (in + out) over q, k, v, o (576 -> 576, 192, 192, 576) and gate, up, down (576 <-> 1536), 30 layers
+    assert trainable_params(cfg, params, model_config) == 30 * 16 * (2 * 1152 + 2 * 768 + 3 * 2112)
 
 
 def test_fit_problems_refuse_what_cannot_fit_and_warn_near_the_threshold():
