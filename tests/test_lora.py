@@ -59,22 +59,23 @@ def test_lora_with_zero3_is_refused_naming_the_field():
 @pytest.mark.slow
 def test_a_lora_run_trains_adapters_syncs_them_and_checkpoints_adapter_and_merged_model(ray_session, tiny_model_path,
                                                                                       tmp_path):
-    """Three GRPO steps with LoRA and a KL term (the reference: adapters off): after every sync the engine's
+    """Four GRPO steps with LoRA and a KL term (the reference: adapters off): after every sync the engine's
     log-probabilities equal the learner's, a sync moves less than the whole model, the checkpoint holds a merged
     model (loaded by transformers) equal to the adapter applied to the base model with PEFT, and a run resumed from
-    step 2 takes step 3 as the uninterrupted run did."""
+    step 2 takes steps 3 and 4 as the uninterrupted run did."""
     from peft import PeftModel
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from test_training_e2e import run
     out = tmp_path / "run"
-    lora_run = ["learner.lora.rank=4", "learner.lora.alpha=16", "learner.lr=0.01", "algorithm.kl_beta=0.01"]
+    lora_run = ["learner.lora.rank=4", "learner.lora.alpha=16", "learner.lr=0.01", "algorithm.kl_beta=0.01",
+                "total_steps=4"]
     metrics = run(out, *lora_run)
-    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
-    assert any(m["grad_norm"] > 0 for m in metrics)
-    assert metrics[-1]["kl"] > 0  # the trained adapters moved the policy away from the reference (adapters off)
+    # the tiny model's first reward (a gradient) comes at step 3: at step 4 the policy has moved from the reference
+    assert metrics[2]["grad_norm"] > 0 and metrics[3]["kl"] > 0
     whole_mb = (tiny_model_path / "model.safetensors").stat().st_size / 2**20
     assert all(0 < m["sync_mb"] < whole_mb for m in metrics)
 
@@ -91,8 +92,10 @@ def test_a_lora_run_trains_adapters_syncs_them_and_checkpoints_adapter_and_merge
 
     resumed = tmp_path / "resumed"
     shutil.copytree(out, resumed, symlinks=True)
-    shutil.rmtree(resumed / "checkpoints" / "step_3")
+    for step in (3, 4):
+        shutil.rmtree(resumed / "checkpoints" / f"step_{step}")
     (resumed / "metrics.jsonl").write_text("".join(f"{json.dumps(m)}\n" for m in metrics[:2]))
     again = run(resumed, *lora_run, "resume=true")
-    for key in ("reward_mean", "loss", "grad_norm", "kl"):
-        assert again[2][key] == pytest.approx(metrics[2][key], rel=1e-5, abs=1e-6), key
+    for step in (2, 3):
+        for key in ("reward_mean", "loss", "grad_norm", "kl"):
+            assert again[step][key] == pytest.approx(metrics[step][key], rel=1e-5, abs=1e-6), (step + 1, key)
