@@ -42,10 +42,12 @@ class WeightManifest:
 
 
 class WeightPublisher:
-    """Lives in learner rank 0. `publish` returns a manifest; the previous round's objects are released first."""
+    """Lives in learner rank 0. `publish` returns a manifest; the previous round's objects are released first.
+    `keep_buffers`: pack buffers stay allocated between rounds (faster writes, but resident through training)."""
 
-    def __init__(self, bucket_mb: float = 256.0):
+    def __init__(self, bucket_mb: float = 256.0, keep_buffers: bool = True):
         self.bucket_bytes = int(bucket_mb * 2**20)
+        self.keep_buffers = keep_buffers
         self.buffers: dict[tuple[int, str], np.ndarray] = {}
         self.last: WeightManifest | None = None
 
@@ -55,7 +57,8 @@ class WeightPublisher:
         if buf is None or buf.size < numel:
             buf = torch.empty(numel, dtype=dtype).numpy() if dtype != torch.bfloat16 else \
                 np.empty(numel, dtype=np.uint16)
-            self.buffers[key] = buf
+            if self.keep_buffers:
+                self.buffers[key] = buf
         return buf[:numel]
 
     def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,

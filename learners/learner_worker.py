@@ -61,7 +61,9 @@ class LearnerWorker:
             model = with_adapters(model, **learner["lora"])
         self.micro_batches = 1  # per optimizer step; set from each batch's size (stages may differ)
         self.lr = learner["lr"]  # the schedule's base; a stage may set its own
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=learner["lr"], betas=tuple(learner["betas"]),
+        trained = [p for p in model.parameters() if p.requires_grad]
+        bucket = int(min(5e7, sum(p.numel() for p in trained)))
+        optimizer = torch.optim.AdamW(trained, lr=learner["lr"], betas=tuple(learner["betas"]),
                                       weight_decay=learner["weight_decay"])
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lr_lambda(learner["lr_schedule"], learner["warmup_steps"], total_updates))
@@ -71,9 +73,10 @@ class LearnerWorker:
             "train_batch_size": learner["micro_batch_size"] * self.micro_batches * self.world_size,
             "gradient_clipping": learner["max_grad_norm"],
             # buckets of 5e7 elements (200 MB in float32) instead of DeepSpeed's 5e8: a small model's gradients then
-            # never sit whole in one staging buffer beside their partitions
-            "zero_optimization": {"stage": learner["zero_stage"], "reduce_bucket_size": int(5e7),
-                                  "allgather_bucket_size": int(5e7)},
+            # never sit whole in one staging buffer beside their partitions; DeepSpeed allocates a whole bucket
+            # whatever the gradients' size, so LoRA's adapters get one of their own size
+            "zero_optimization": {"stage": learner["zero_stage"], "reduce_bucket_size": bucket,
+                                  "allgather_bucket_size": bucket},
             "zero_allow_untested_optimizer": True,
             "bf16": {"enabled": model_cfg["dtype"] == "bfloat16"},
             "fp16": {"enabled": model_cfg["dtype"] == "float16"},
@@ -240,7 +243,8 @@ class LearnerWorker:
         from cluster.weight_sync import WeightPublisher
         start = time.perf_counter()
         if not hasattr(self, "publisher"):
-            self.publisher = WeightPublisher(bucket_mb)
+            # a LoRA learner is the lean one: pack buffers kept between syncs would stay resident through training
+            self.publisher = WeightPublisher(bucket_mb, keep_buffers=not has_adapters(self.engine.module))
         manifest = self.publisher.publish(self.named_weights(synced=True), version,
                                           complete=not has_adapters(self.engine.module))
         return manifest, time.perf_counter() - start

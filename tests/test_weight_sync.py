@@ -32,6 +32,13 @@ def test_next_round_reuses_buffers_and_carries_new_values(ray_session):
     assert torch.equal(dict(receive_weights(first))["w"], torch.zeros(1000))  # a reader's round stays intact
 
 
+def test_a_publisher_that_keeps_no_buffers_holds_nothing_between_rounds(ray_session):
+    publisher = WeightPublisher(bucket_mb=1, keep_buffers=False)
+    for version, value in ((1, 0.0), (2, 1.0)):
+        manifest = publisher.publish(iter([("w", torch.full((1000,), value))]), version=version)
+        assert publisher.buffers == {} and torch.equal(dict(receive_weights(manifest))["w"], torch.full((1000,), value))
+
+
 @pytest.mark.slow
 def test_a_tied_lm_head_scores_with_the_synced_embeddings(ray_session):
     """Qwen2.5 0.5B-3B tie the LM head to the embeddings: after a sync that changes only the embeddings, the
