@@ -64,7 +64,7 @@ class LearnerGroup:
         allocator = {"runtime_env": {"env_vars": env}} if (env := allocator_env()) else {}
         self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}"),
                                             **allocator).remote(i, res.num, res.threads) for i in range(res.num)]
-        master = ray.get(self.ranks[0].address.remote())
+        master = self._all([self.ranks[0].address.remote()], "start", [0])[0]
         stages = [(stage, cfg.for_stage(i)) for i, stage in enumerate(cfg.stage_plan())]
         total_updates = sum(stage.steps * optimizer_steps_per_batch(stage_cfg) if stage.kind == "grpo" else stage.steps
                             for stage, stage_cfg in stages)

@@ -58,26 +58,33 @@ class Recovery:
         entered afresh with that checkpoint's reward state, and the trainer back at its step, the metrics lines of
         later steps dropped (they are logged again when redone). Raises `failure` once
         fault_tolerance.max_learner_restarts restarts were made, or with a collective weight sync (the rollout
-        workers cannot join a new group)."""
+        workers cannot join a new group). A new group that fails to start (a rank placed on a node Ray has not yet
+        declared dead) counts as another restart."""
         limit = self.cfg.fault_tolerance.max_learner_restarts
-        if self.restarts["learner"] >= limit:
-            failure.add_note(f"No learner restart left in this run: fault_tolerance.max_learner_restarts is {limit}.")
-            raise failure
         if self.learners.transport == "collective":
             failure.add_note("The learner group is restarted in-run only with cluster.weight_sync: object_store.")
             raise failure
-        self.restarts["learner"] += 1
         self.learners.shutdown()
-        checkpoint, source = ckpt.resume_point(self.ckpt_root, self.storage)
-        self.step = ckpt.read_state(checkpoint)["step"] if checkpoint else 0
-        log.warning("LearnerWorker-%d failed during %s (%s); restarting the learner group (%d of %d) from %s",
-                    failure.rank, failure.during, failure.cause, self.restarts["learner"], limit,
-                    f"checkpoint {checkpoint.name}, step {self.step}" if checkpoint
-                    else "the initial weights, step 0: no checkpoint yet")
-        # a lost node's bundles are moved by Ray to a node with room; without one the run stops after the timeout
-        wait_for(self.cfg.cluster, {"learner": self.placement.groups["learner"]}, self.cfg.cluster.placement_timeout_s,
-                 progress_every_s=30.0)
-        self.learners = LearnerGroup(self.cfg, self.placement, self.base_model, checkpoint, source)
+        while True:
+            if self.restarts["learner"] >= limit:
+                failure.add_note(f"No learner restart left in this run: fault_tolerance.max_learner_restarts is "
+                                 f"{limit}.")
+                raise failure
+            self.restarts["learner"] += 1
+            checkpoint, source = ckpt.resume_point(self.ckpt_root, self.storage)
+            self.step = ckpt.read_state(checkpoint)["step"] if checkpoint else 0
+            log.warning("LearnerWorker-%d failed during %s (%s); restarting the learner group (%d of %d) from %s",
+                        failure.rank, failure.during, failure.cause, self.restarts["learner"], limit,
+                        f"checkpoint {checkpoint.name}, step {self.step}" if checkpoint
+                        else "the initial weights, step 0: no checkpoint yet")
+            # a lost node's bundles are moved by Ray to a node with room; without one the run stops after the timeout
+            wait_for(self.cfg.cluster, {"learner": self.placement.groups["learner"]},
+                     self.cfg.cluster.placement_timeout_s, progress_every_s=30.0)
+            try:
+                self.learners = LearnerGroup(self.cfg, self.placement, self.base_model, checkpoint, source)
+                break
+            except LearnerRankFailed as again:  # its ranks are stopped already
+                failure = again
         self.learners.connect(self.workers)
         self.version = self.step
         self.stage_index = None  # entered as at start-up: reward actors in their first state, then the checkpoint's

@@ -48,17 +48,16 @@ def test_losing_the_rollout_node_moves_the_worker_and_the_run_completes(tmp_path
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
 
 
-@pytest.mark.xfail(strict=True, reason="the new learner group's first rank is placed before Ray declares the lost "
-                                        "node dead, and is cancelled with it (docs/CLUSTER.md)")
 def test_losing_the_learner_node_restarts_the_learners_on_the_nodes_left_and_the_run_completes(tmp_path):
     """Both learner ranks' node is removed after step 1's checkpoint: the group stops with LearnerRankFailed, Ray moves
     its bundles to the spare node, and the trainer starts a new group there from the checkpoint on the run's storage
-    and redoes the steps since: the run completes its 3 steps, each logged once."""
+    and redoes the steps since: the run completes its 3 steps, each logged once. A new group placed before Ray has
+    declared the node dead is lost with it: that attempt counts as a second restart."""
     report = lose_node(tmp_path, "learner")
     assert report["removed"] and report["error"] is None
     assert report["before"]["learner-0"] == "learner"
     assert report["after"]["learner-0"] == report["after"]["learner-1"] == "spare"
     metrics = report["metrics"]  # as published to storage
-    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["actor_restarts/learner"] == 1
+    assert [m["step"] for m in metrics] == [1, 2, 3] and metrics[-1]["actor_restarts/learner"] in (1, 2)
     assert report["stored_checkpoints"][-1] == "step_3"
     assert all(m["fidelity_max_abs_diff"] <= 1e-4 for m in metrics)
