@@ -11,7 +11,7 @@ and an MLP projection for text, cosine similarity scaled by a learned temperatur
   `hf_model_name` / `hf_tokenizer_name` must be local directories or already in the Hugging Face cache).
   Weights load as safetensors when the directory has them; a `.bin` (the published format) is read with
   `torch.load(weights_only=True)` (open_clip's loader), which unpickles tensors only and refuses arbitrary objects.
-* `load_biomedclip(None)`: builds once, deterministically from `TINY_SEED`, under `tasks.hpo.cache_dir()`,
+* `load_biomedclip(None)`: builds once, deterministically from `TINY_SEED`, under `cluster.files.cache_dir()`,
   a tiny model: timm's `test_vit` (a 6-layer, 64-wide `VisionTransformer`, the class of vit_base_patch16_224) at
   BiomedCLIP's 224 px input, a 2-layer BERT, and a lowercase WordPiece tokenizer trained on HPO text. The directory
   has the published layout, so it loads through the same code path as the real weights.
@@ -38,8 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from tasks.extras import installed_version, require
-from tasks.files import building_dir, sha256_file
-from tasks.hpo import cache_dir
+from cluster.files import building_dir, cache_dir, sha256_file
 
 TINY_SEED = 0
 TINY_BUILD_VERSION = 1  # bump when the tiny build changes what it makes

@@ -21,8 +21,7 @@ from actors.encoders import Encoder, load_encoder
 from actors.retrieval_index import (IndexConfig, IndexMismatchError, check_manifest, read_manifest, resolve_corpus,
                                     write_index)
 from tasks.extras import require
-from tasks.files import file_lock, sha256_file
-from tasks.hpo import cache_dir
+from cluster.files import cache_dir, file_lock, sha256_file
 
 
 CHUNK_FIELDS = ("id", "doc_id", "title", "text", "source")

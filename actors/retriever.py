@@ -23,7 +23,7 @@ from actors.encoders import MINILM_NAMES, Encoder, load_encoder, resolve_encoder
 from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, import_bm25s,
                                     prepare_for_search, read_manifest, resolve_corpus, shard_dirs)
 from tasks.extras import require
-from tasks.files import sha256_file
+from cluster.files import sha256_file
 
 
 class RetrievalConfig(BaseModel):

@@ -15,7 +15,7 @@ from actors.engine_weights import (begin_reload, finish_reload, join_broadcast, 
 from cluster.devices import accelerator, step_peak_memory
 from cluster.engine import EngineSettings, engine_args, prepare_engine_process
 from cluster.weight_sync import WeightManifest, receive_buckets
-from tasks.storage import local_checkpoint
+from cluster.storage import local_checkpoint
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], num_images: int = 0) -> list[int]:

@@ -115,7 +115,7 @@ def kb_dataset(index_dir: Path, n_queries: int) -> tuple[np.ndarray, np.ndarray]
     from actors.encoders import load_encoder
     from actors.retrieval_index import read_manifest
     from tasks.build_hpo import ensure_hpo_world
-    from tasks.hpo import cache_dir
+    from cluster.files import cache_dir
     from tasks.schema import read_tasks
 
     manifest = read_manifest(index_dir)

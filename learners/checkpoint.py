@@ -18,8 +18,8 @@ from pathlib import Path
 
 import ray
 
-from tasks.files import sha256_file, verify_manifest
-from tasks.storage import MANIFEST, Storage, newest_valid
+from cluster.files import sha256_file, verify_manifest
+from cluster.storage import MANIFEST, Storage, newest_valid
 
 log = logging.getLogger("medray.checkpoint")
 STATE = "trainer_state.json"

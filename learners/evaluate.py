@@ -127,7 +127,7 @@ def write_samples(path: Path, trajectories: list, cdir: dict | None = None, rean
     (apply_cdir's summary, `reanswers` its trajectories), each line's `cdir`: whether it fired, the confidence before
     and after and, where it fired, the case shown (id, caption, image path, score, whether its image was shown) and
     the second answer (`reanswer`: answer, correct, text)."""
-    from tasks.files import write_jsonl
+    from cluster.files import write_jsonl
 
     rows = [{"id": t.task.get("id"), "gold": t.task.get("answer"), **sample_record(t)} for t in trajectories]
     for row, episode, again in zip(rows, (cdir or {}).get("episodes", []), reanswers or []):

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from actors.image_tokens import image_layout
-from tasks.files import write_jsonl
+from cluster.files import write_jsonl
 
 
 def phenotypes_of(task: dict) -> list[str]:

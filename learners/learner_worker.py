@@ -18,7 +18,7 @@ from learners.batches import (deal_micro_batches, forward_logp, image_inputs, lo
                               to_device)
 from learners.checkpoint import checksums
 from learners.lora import has_adapters, merged_weights, policy, with_adapters
-from tasks.storage import Storage, split_checkpoint_uri, upload_share
+from cluster.storage import Storage, split_checkpoint_uri, upload_share
 
 log = logging.getLogger("medray.learner")
 

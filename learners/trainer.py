@@ -24,7 +24,7 @@ from actors.environment import derive_seed
 from learners.services import count_restarts, service_actors, service_roles
 from cluster.placement import ROLES
 from learners import checkpoint as ckpt
-from tasks.storage import run_storage
+from cluster.storage import run_storage
 from learners.algorithm import compute_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler

@@ -105,7 +105,7 @@ def generate_demonstrations(workers: list, tasks: list[dict], tokenizer, cfg, ar
 
     from actors.encoders import load_encoder
     from rewards.builtin import answer_correct
-    from tasks.files import write_jsonl
+    from cluster.files import write_jsonl
 
     embeddings = load_encoder("minilm").encode([question_text(t) for t in tasks])
     chosen = representative_tasks([str(t["answer"]) for t in tasks], embeddings, args.min_answer_frequency,

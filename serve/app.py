@@ -35,7 +35,7 @@ from serve.protocol import (AgentOptions, APIError, ChatRequest, chunk, completi
 from serve.retrievers import CONSTRUCTOR_RETRIES, ImageRetrieverServer, RetrieverServer
 from serve.tools import ToolServer, tool_observer
 from tasks.schema import parse_option_listing
-from tasks.storage import local_checkpoint
+from cluster.storage import local_checkpoint
 
 log = logging.getLogger("medray.serve")
 

@@ -18,7 +18,7 @@ from actors.environment import Grammar
 from actors.cdir import THRESHOLD
 from cluster.engine import EngineSettings, GpuMemoryUtilization, MaxNumSeqs
 from cluster.schema import Strict
-from tasks.storage import fetch_checkpoint, is_uri
+from cluster.storage import fetch_checkpoint, is_uri
 
 API_KEY_ENV = "MEDRAY_API_KEY"
 
@@ -250,7 +250,7 @@ def check_checkpoint(checkpoint: Path, given: str) -> None:
     if not any((checkpoint / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         raise ValueError(f"checkpoint {given} has no tokenizer (tokenizer.json / tokenizer_config.json)")
     if (checkpoint / "manifest.json").is_file():
-        from tasks.files import verify_manifest
+        from cluster.files import verify_manifest
         problem = verify_manifest(checkpoint, skip=lambda name: name.startswith("deepspeed/"))
         if problem:
             raise ValueError(f"checkpoint {given} is damaged: {problem}")

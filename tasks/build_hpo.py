@@ -18,7 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tasks.extras import installed_version
-from tasks.files import file_lock, sha256_file, with_defaults, write_jsonl
+from cluster.files import file_lock, sha256_file, with_defaults, write_jsonl
 from tasks.hpo import load_hpo_snapshot
 from tasks.hpo_tasks import HPOTaskBuilder
 from tasks.knowledge_base import KnowledgeBase

@@ -30,8 +30,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tasks.extras import installed_version
-from tasks.files import file_lock, sha256_file, with_defaults, write_jsonl
-from tasks.hpo import cache_dir, load_hpo_snapshot
+from cluster.files import cache_dir, file_lock, sha256_file, with_defaults, write_jsonl
+from tasks.hpo import load_hpo_snapshot
 from tasks.imaging import (
     FINDINGS,
     IMAGE_SIZE,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tasks.hpo import cache_dir
+from cluster.files import cache_dir
 from tasks.schema import TaskFormatError, read_tasks, resolve_image_paths
 
 

@@ -17,6 +17,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cluster.files import cache_dir
 from tasks.extras import installed_version, require
 
 #: Bump when the extracted fields change, so stale caches are rebuilt.
@@ -82,11 +83,6 @@ class HPOSnapshot:
                 found |= {parent} | self.ancestors(parent)
             self._ancestors[term_id] = frozenset(found)
         return self._ancestors[term_id]
-
-
-def cache_dir() -> Path:
-    """Root of medray's caches: ``$MEDRAY_CACHE`` or ``~/.cache/medray``."""
-    return Path(os.environ.get("MEDRAY_CACHE") or Path.home() / ".cache" / "medray")
 
 
 def snapshot_path() -> Path:

@@ -52,8 +52,8 @@ from pathlib import Path
 import numpy as np
 
 from tasks.extras import installed_version, require
-from tasks.files import file_lock, sha256_file
-from tasks.hpo import CLINICAL_COURSE, HPOSnapshot, cache_dir, load_hpo_snapshot
+from cluster.files import cache_dir, file_lock, sha256_file
+from tasks.hpo import CLINICAL_COURSE, HPOSnapshot, load_hpo_snapshot
 
 # MedCAT asks PyPI for a newer version on import (once a week, 3 s timeout); never from medray.
 os.environ.setdefault("MEDCAT_DISABLE_VERSION_CHECK", "true")

@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from importlib import util
 from pathlib import Path
 
-from tasks.files import building_dir, file_lock, sha256_file
-from tasks.hpo import cache_dir
+from cluster.files import building_dir, cache_dir, file_lock, sha256_file
 
 BUILD_VERSION = 1  # bump when the conversion changes what it writes
 

@@ -38,8 +38,8 @@ from pathlib import Path
 
 from tasks.build_hpo import DEFAULTS as WORLD_DEFAULTS, WORLD_FORMAT
 from tasks.extras import installed_version
-from tasks.files import building_dir, file_lock, sha256_file, verify_manifest
-from tasks.hpo import Disease, cache_dir, load_hpo_snapshot
+from cluster.files import building_dir, cache_dir, file_lock, sha256_file, verify_manifest
+from tasks.hpo import Disease, load_hpo_snapshot
 from tasks.hpo_tasks import (DISTRACTOR_STRATA, LETTERS, MIN_CLUES, HPOTaskBuilder, _balanced, _norm,
                               system_message)
 from tasks.knowledge_base import KnowledgeBase, name_variants

@@ -128,7 +128,7 @@ def resolve_image_paths(task: Task, base_dir: str | Path) -> Task:
 
 def write_tasks(path: str | Path, tasks: Iterable[Task]) -> int:
     """Write tasks as JSONL (one compact object a line, keys in schema order); return how many were written."""
-    from tasks.files import write_jsonl
+    from cluster.files import write_jsonl
     return write_jsonl(path, (task.model_dump(mode="json") for task in tasks))
 
 

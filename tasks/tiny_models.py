@@ -15,8 +15,7 @@ from typing import Iterable, Literal
 from pydantic import Field, model_validator
 
 from cluster.schema import Strict
-from tasks.files import building_dir
-from tasks.hpo import cache_dir
+from cluster.files import building_dir, cache_dir
 from tasks.imaging import INPUT_SIZE
 from tasks.model_aliases import resolve_model
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.files import sha256_file
+from cluster.files import sha256_file
 
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
 SLAKE = "slake/Slake1.0/train.json"

@@ -54,7 +54,7 @@ def corpus(world) -> list[dict]:
 @pytest.fixture(scope="session")
 def kb_doc_ids() -> set[str]:
     from tasks.build_hpo import ensure_hpo_world
-    from tasks.hpo import cache_dir
+    from cluster.files import cache_dir
 
     kb = ensure_hpo_world(cache_dir() / "hpo_world", seed=0)["kb"]
     with open(kb, encoding="utf-8") as fh:

@@ -23,7 +23,7 @@ from actors.retrieval_index import IndexConfig, IndexMismatchError, read_manifes
 from actors.retriever import (LocalRetriever, ShardedRetriever, merge_shard_results, reciprocal_rank_fusion,
                               weighted_fusion)
 from tasks.build_hpo import ensure_hpo_world
-from tasks.hpo import cache_dir
+from cluster.files import cache_dir
 from tasks.schema import read_tasks
 
 N_TASKS = 40

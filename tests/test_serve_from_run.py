@@ -173,7 +173,7 @@ def test_deployments_that_cannot_start_are_refused_naming_the_cause(trained, bm2
 
     ok = trained.parent / "step_3"
     shutil.copytree(trained, ok)
-    from tasks.files import sha256_file
+    from cluster.files import sha256_file
     (ok / "manifest.json").write_text(json.dumps({"step": 3, "files": {
         name: sha256_file(ok / name) for name in ("config.json", "model.safetensors")}}))
     resolved(checkpoint=str(ok))  # a verified checkpoint passes

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from learners import checkpoint as ckpt
-from tasks.storage import MANIFEST, Storage, fetch_checkpoint, newest_valid, upload_share
+from cluster.storage import MANIFEST, Storage, fetch_checkpoint, newest_valid, upload_share
 
 
 def write_checkpoint(root: Path, step: int, model_dir: Path | None = None) -> Path:
@@ -78,7 +78,7 @@ def test_serve_reads_the_newest_committed_checkpoint_from_storage(tmp_path, tiny
 
 
 def test_a_fresh_run_is_refused_where_storage_already_holds_one(tmp_path):
-    from tasks.storage import run_storage
+    from cluster.storage import run_storage
     store = Storage(f"file://{tmp_path}/store")
     ckpt.publish(store, write_checkpoint(tmp_path / "a" / "checkpoints", 1), no_one_else, keep_last=2)
     with pytest.raises(FileExistsError, match=f"storage.path file://{tmp_path}/store already holds a run"):

@@ -312,8 +312,8 @@ def test_storage_holds_the_run_and_a_fresh_node_resumes_from_it(three_steps, tmp
     (no manifest) and the driver's node lost (output_dir deleted): a resume on another output_dir reads step 2 from
     storage, never the half-uploaded step 3, and trains step 3 as the uninterrupted run did; serve reads it back."""
     from serve.config import ServeSettings
-    from tasks.files import verify_manifest
-    from tasks.storage import MANIFEST
+    from cluster.files import verify_manifest
+    from cluster.storage import MANIFEST
 
     _, metrics = three_steps
     store, first = tmp_path / "store", tmp_path / "node_a"

@@ -86,7 +86,7 @@ def load_hf_saved(path, benchmark: str, *, split: str | None = None, image_root=
 
 
 def _hf_image_dir(benchmark: str) -> Path:
-    from tasks.hpo import cache_dir
+    from cluster.files import cache_dir
 
     return cache_dir() / "benchmark_images" / benchmark
 

@@ -1,4 +1,5 @@
-"""What every builder shares: content checksums and manifests, an exclusive build lock, build arguments with defaults."""
+"""What every builder shares: where medray's caches live, content checksums and manifests, an exclusive build lock,
+build arguments with defaults."""
 from __future__ import annotations
 
 import fcntl
@@ -10,6 +11,11 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
+
+
+def cache_dir() -> Path:
+    """Root of medray's caches: ``$MEDRAY_CACHE`` or ``~/.cache/medray``."""
+    return Path(os.environ.get("MEDRAY_CACHE") or Path.home() / ".cache" / "medray")
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -17,8 +17,7 @@ from pathlib import Path, PurePosixPath
 
 import pyarrow.fs as pafs
 
-from tasks.files import file_lock, verify_manifest
-from tasks.hpo import cache_dir as cache_root
+from cluster.files import cache_dir as cache_root, file_lock, verify_manifest
 
 log = logging.getLogger("medray.storage")
 MANIFEST = "manifest.json"
