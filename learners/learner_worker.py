@@ -13,12 +13,12 @@ import torch
 from actors.image_tokens import ImageTokens
 from cluster.devices import (accelerator, fast_bfloat16, init_deepspeed_distributed, peak_memory_gb, pin_threads,
                              release_freed_memory, reset_peak_memory, resolve_compute_dtype)
+from cluster.storage import Storage, split_checkpoint_uri, upload_share
 from learners import algorithm as algo
 from learners.batches import (deal_micro_batches, forward_logp, image_inputs, load_causal_lm, lr_lambda, micro_batch,
                               to_device)
 from learners.checkpoint import checksums
 from learners.lora import has_adapters, merged_weights, policy, with_adapters
-from cluster.storage import Storage, split_checkpoint_uri, upload_share
 
 log = logging.getLogger("medray.learner")
 
@@ -232,10 +232,10 @@ class LearnerWorker:
             else:
                 yield name, param.detach()
 
-    def help_gather(self, synced: bool = False) -> None:
+    def help_gather(self) -> None:
         """What ranks other than 0 do while rank 0 reads the weights: take part in ZeRO-3's gathers."""
         if self.cfg["learner"]["zero_stage"] == 3:
-            for _ in self.named_weights(synced):
+            for _ in self.named_weights():
                 pass
 
     def publish_weights(self, version: int, bucket_mb: float):
