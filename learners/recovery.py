@@ -61,15 +61,15 @@ class Recovery:
         workers cannot join a new group). A new group that fails to start (a rank placed on a node Ray has not yet
         declared dead) counts as another restart."""
         limit = self.cfg.fault_tolerance.max_learner_restarts
+        no_restart_left = f"No learner restart left in this run: fault_tolerance.max_learner_restarts is {limit}."
+        if self.restarts["learner"] >= limit:
+            failure.add_note(no_restart_left)
+            raise failure
         if self.learners.transport == "collective":
             failure.add_note("The learner group is restarted in-run only with cluster.weight_sync: object_store.")
             raise failure
         self.learners.shutdown()
         while True:
-            if self.restarts["learner"] >= limit:
-                failure.add_note(f"No learner restart left in this run: fault_tolerance.max_learner_restarts is "
-                                 f"{limit}.")
-                raise failure
             self.restarts["learner"] += 1
             checkpoint, source = ckpt.resume_point(self.ckpt_root, self.storage)
             self.step = ckpt.read_state(checkpoint)["step"] if checkpoint else 0
@@ -84,6 +84,9 @@ class Recovery:
                 self.learners = LearnerGroup(self.cfg, self.placement, self.base_model, checkpoint, source)
                 break
             except LearnerRankFailed as again:  # its ranks are stopped already
+                if self.restarts["learner"] >= limit:
+                    again.add_note(no_restart_left)
+                    raise
                 failure = again
         self.learners.connect(self.workers)
         self.version = self.step
