@@ -27,7 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from tasks.extras import require
-from cluster.files import building_dir, sha256_file
+from cluster.files import building_dir
 
 #: Bump when the directory layout or manifest fields change; older indexes are then refused.
 INDEX_FORMAT = 1

@@ -59,8 +59,7 @@ def dry_run(cfg: RunConfig, gpus_per_node: int = 8, gpu_memory_gb: float = 80.0,
     kl = keeps_reference(cfg)
     weight_bytes = params * (2 if cfg.engine_dtype() in ("bfloat16", "float16") else 4)
     trainable = trainable_params(cfg, params, model_config)
-    learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num,
-                            kl and cfg.learner.lora is None, trainable)
+    learner = learner_bytes(params, cfg.model.dtype, cfg.learner.zero_stage, cfg.cluster.learner.num, kl, trainable)
     # vLLM takes gpu_memory_utilization of each of its devices (one per shard) for weights + KV cache, whatever the
     # model's size; a shard holds 1/tensor_parallel_size of the weights.
     shards = cfg.cluster.rollout.tensor_parallel_size

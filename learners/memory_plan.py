@@ -82,10 +82,11 @@ def learner_bytes(params: int, dtype: str, zero_stage: int, ranks: int, referenc
     mixed-precision accounting of Rajbhandari et al. 2020 (ZeRO), per parameter 2 bytes of bf16/fp16 weights and 2 of
     gradients plus 12 of fp32 master weights and Adam moments (fp32 training: 4 + 4 + 8), gradients and optimizer
     state only for the `trainable` ones (default all: LoRA trains its adapters only); `reference` adds a frozen
-    copy of the weights (the KL reference)."""
+    copy of the weights (the KL reference) under full fine-tuning (LoRA's reference is its model, adapters off)."""
     half = dtype in ("bfloat16", "float16")
     weights, grads, optim = (2, 2, 12) if half else (4, 4, 8)
     trainable = params if trainable is None else trainable
+    reference = reference and trainable == params
     # ZeRO-1 partitions the optimizer state, ZeRO-2 the gradients too, ZeRO-3 the weights too
     state = (grads if zero_stage == 1 else grads / ranks) + optim / ranks
     return params * ((weights if zero_stage < 3 else weights / ranks) + (weights if reference else 0)) \
@@ -112,7 +113,7 @@ def learner_rank_gb(params: int, layers: int, hidden: int, vocab: int, tokens: i
     buffers = BUFFER_BYTES_PER_PARAM * trainable + LORA_SYNC_BYTES_PER_PARAM * params if lora \
         else BUFFER_BYTES_PER_PARAM * params
     resident = PROCESS_GB["learner"] * GB + buffers \
-        + learner_bytes(params, dtype, zero_stage, ranks, reference and not lora, trainable)
+        + learner_bytes(params, dtype, zero_stage, ranks, reference, trainable)
     act_bytes = 4 if compute_dtype == "float32" else 2
     floats = LORA_ACTIVATION_FLOATS if lora else ACTIVATION_FLOATS
     per_token_layer = hidden * (1 if checkpointing else floats)
