@@ -17,10 +17,8 @@ and an MLP projection for text, cosine similarity scaled by a learned temperatur
   has the published layout, so it loads through the same code path as the real weights.
 * `ensure_contrastive_biomedclip(steps)`: that tiny model after `steps` of CLIP's contrastive training (Radford et
   al. 2021) on the imaging world's training images and their captions (never the test images), built once under its
-  own cache key in the same layout, for ``load_biomedclip(dir)`` / ``--clip dir``. Measured: 600 steps bring the
-  held-out InfoNCE (batch 32) from log 32 = 3.47 to log(32 / 3) = 2.37 and no lower, also at 2,000 steps: both towers
-  learn the three modalities only, so CDIR's nearest case is no likelier to share the finding than with the random
-  build (README, CDIR on vs off)::
+  own cache key in the same layout, for ``load_biomedclip(dir)`` / ``--clip dir``. It tells the modalities apart and
+  nothing finer, so it does not help CDIR find a case with the same finding (docs/BENCHMARKS.md, *CDIR on vs off*)::
 
       python -m actors.biomedclip --steps 600 [--seed 0] [--threads 2]     # prints the directory
 """

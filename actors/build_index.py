@@ -4,8 +4,8 @@
                                  [--shards N] [--batch-size 64] [--threads N] [--hnsw-m 32 --nprobe 32 ...]
 
 ``--kb`` is a chunks JSONL (fields id, doc_id, title, text, source) or ``hpo`` for the HPO world's knowledge base.
-Encoding dominates: all-MiniLM-L6-v2 on 2 CPU threads does 12-17 chunks/s on the HPO chunks (~167 tokens each; 4-7
-when the cores are shared), so the whole HPO knowledge base (38.9k chunks) takes ~40 min or more on such a machine.
+Encoding dominates the build's time: on a few CPU cores the whole HPO knowledge base takes tens of minutes
+(docs/BENCHMARKS.md, *Speed*).
 """
 
 from __future__ import annotations

@@ -55,8 +55,8 @@ def repack_lm_heads(worker) -> None:
     """Re-derive each LM head's kernel weights from its (tied) weight.
 
     A tied LM head shares the embedding's weight, so a reload updates it in place, but vLLM reprocesses only the layers
-    it loaded weights into, and on CPU an LM head computes with a copy packed at load: it kept scoring with the old
-    embeddings (prompt logprobs off by up to 78 nats after one sync, tiny tied Qwen2). On GPU this is a no-op."""
+    it loaded weights into, and on CPU an LM head computes with a copy packed at load, so it would keep scoring with
+    the old embeddings (docs/BENCHMARKS.md#fidelity: what a stale head costs). On GPU this is a no-op."""
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
     for module in worker.get_model().modules():

@@ -62,8 +62,7 @@ class SuperResolver:
         """Each uint8 crop (H x W grey or H x W x 3) super-resolved to exactly (scale H) x (scale W), grey in, grey
         out. The model needs whole windows, so a crop is mirrored out to the next multiple of the window and its
         output cut back; crops of the same padded size share one forward. Padding crops of other sizes to a common
-        one would make a crop's pixels depend on its batch, and cost the largest crop's time for each (measured:
-        72 ms a call at batch 8 of the benchmark's crops against 16 ms alone)."""
+        one would make a crop's pixels depend on its batch, and cost the largest crop's time for each."""
         window = self.model.config.window_size
         groups: dict[tuple[int, int], list[int]] = {}
         for i, crop in enumerate(crops):

@@ -16,8 +16,8 @@ def accelerator() -> str:
 def pin_threads(threads: int) -> None:
     """Give this actor an explicit thread budget.
 
-    Ray sets OMP_NUM_THREADS=1 in workers (a 4x slowdown for vLLM-CPU), and several actors share the cores:
-    OpenMP threads that busy-wait on each other made steps 4-20x slower, hence PASSIVE waiting.
+    Ray sets OMP_NUM_THREADS=1 in workers, which starves vLLM-CPU, and several actors share the cores, where
+    OpenMP threads that busy-wait hold cores the other actors need: hence PASSIVE waiting.
     Call before torch does any work in the process.
     """
     os.environ["OMP_NUM_THREADS"] = str(threads)

@@ -41,7 +41,7 @@ def prepare_engine_process(threads: int | None, in_process: bool = True) -> None
     threads of each shard (None: leave them; a GPU engine); `in_process`: the engine core runs in this process (no
     engine-core subprocess: ~3 s to start instead of ~25 s), as LLM(...) and serving's in-process engine want."""
     if threads is not None:
-        pin_threads(threads)  # Ray gives workers OMP_NUM_THREADS=1, which makes vLLM-CPU ~4x slower
+        pin_threads(threads)  # Ray gives workers OMP_NUM_THREADS=1, which starves vLLM-CPU
     if in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the actor's cores are Ray's to share, not vLLM's

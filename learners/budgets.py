@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 
 #: The most characters one token of prose spans, so that characters / this is a floor on a passage's tokens: BPE
-#: vocabularies average ~4 characters per token on English, the tiny HPO tokenizer at most 3.3 on the knowledge
-#: base's passages (measured on 3000 of them).
+#: vocabularies average ~4 characters per token on English and the tiny HPO tokenizer fewer, so twice that keeps
+#: the floor below any real passage's tokens.
 MAX_CHARS_PER_TOKEN = 8
 
 

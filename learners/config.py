@@ -33,10 +33,9 @@ class DataConfig(Strict):
     max_prompt_tokens: int = Field(256, ge=8)
 
 
-# The fidelity check's default tolerance per dtype: above the engine-vs-learner rounding on identical weights and
-# far below a sync error (a stale tied LM head: 78 nats). Measured on CPU with a sharp tiny model (README *Fidelity*,
-# benchmarks/bench_fidelity.py): float32 5e-5 to 1.4e-4 (3.6e-4 in a training run's check), bfloat16 0.35 to 0.66.
-# float16 is unmeasured and given bfloat16's; GPU kernels' rounding is unmeasured too.
+# The fidelity check's default tolerance per dtype: above the rounding by which engine and learner differ on identical
+# weights, far below what a sync error does, so a check stops a broken sync and not kernel rounding (the measurements:
+# docs/BENCHMARKS.md#fidelity). float16 takes bfloat16's, the looser (README *Known limits*).
 FIDELITY_TOLERANCE = {"float32": 1e-3, "bfloat16": 2.0, "float16": 2.0}
 
 
