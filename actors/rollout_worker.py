@@ -16,16 +16,7 @@ from cluster.devices import accelerator, step_peak_memory
 from cluster.engine import EngineSettings, engine_args, prepare_engine_process
 from cluster.weight_sync import WeightManifest, receive_buckets
 from cluster.storage import local_checkpoint
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict], num_images: int = 0) -> list[int]:
-    """The chat template's ids; `num_images` placeholders (one pad each) open the first user message, where task
-    images attach (tasks/schema.py)."""
-    if num_images:
-        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
-        parts = [{"type": "image"}] * num_images + [{"type": "text", "text": messages[first]["content"]}]
-        messages = [*messages[:first], {**messages[first], "content": parts}, *messages[first + 1:]]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+from tasks.schema import chat_prompt_ids
 
 
 def task_prompt(task: dict, tokenizer, vision: ImageTokens | None) -> tuple[list[int], list, list]:

@@ -24,7 +24,7 @@ def hf_generate(model_path: str, tasks: list[dict], group: int, new_tokens: int,
     from PIL import Image
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from actors.rollout_worker import chat_prompt_ids
+    from tasks.schema import chat_prompt_ids
     torch.set_num_threads(threads)
     processor = AutoProcessor.from_pretrained(model_path)
     processor.tokenizer.padding_side = "left"

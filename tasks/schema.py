@@ -78,6 +78,16 @@ def parse_option_listing(text: str) -> dict[str, str]:
     return runs[-1] if runs else {}
 
 
+def chat_prompt_ids(tokenizer, messages: list[dict], num_images: int = 0) -> list[int]:
+    """The chat template's ids; `num_images` placeholders (one pad each) open the first user message, where task
+    images attach (the images of a Task)."""
+    if num_images:
+        first = next(i for i, m in enumerate(messages) if m["role"] == "user")
+        parts = [{"type": "image"}] * num_images + [{"type": "text", "text": messages[first]["content"]}]
+        messages = [*messages[:first], {**messages[first], "content": parts}, *messages[first + 1:]]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
 class TaskFormatError(ValueError):
     """A task file line that is not a valid :class:`Task`; the message names file, line and field."""
 

@@ -16,32 +16,16 @@ from pydantic import Field, model_validator
 
 from cluster.schema import Strict
 from cluster.files import building_dir, cache_dir
-from tasks.imaging import INPUT_SIZE
+from tasks.chat_format import CHAT_TEMPLATE, CHAT_TOKENS, VISION_TOKENS, save_processor
 from tasks.model_aliases import resolve_model
 
 # Tags of every recipe's grammar (RECIPES.md) are single tokens, so a format is a few decisions, not dozens.
 GRAMMAR_TAGS = [f"<{t}>" for t in ("think", "answer", "query", "retrieve", "search", "document", "tool_call",
                                     "tool_response")]
 GRAMMAR_TAGS += [t.replace("<", "</") for t in GRAMMAR_TAGS]
-CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-
-# Qwen's ChatML template, kept short: system/user/assistant turns and the generation prompt.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-    "{% if m['content'] is string %}{{ m['content'] }}"
-    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 BUILD_VERSION = 1  # bump when the build code changes what it makes
 VISION_BUILD_VERSION = 1  # the same for what only multimodal builds add (the processor); text keys do not change
-
-# Every image, a whole 448-px scan or a small zoom-in crop, is resized to about INPUT_SIZE^2 pixels (sides multiples
-# of patch 14 x merge 2 = 28): 112 x 112 -> 8 x 8 patches -> 16 tokens after the 2 x 2 merge. min = max, so a crop
-# is magnified to the model's input size: that is what makes zooming in worth a tool call.
-IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
 
 
 class TinyModelConfig(Strict):
@@ -117,9 +101,9 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int, out_dir: Path, whole
                                  bos_token=None, unk_token=None, chat_template=CHAT_TEMPLATE)
     # Grammar tags stay non-special so they survive decoding and can act as stop strings.
     hf.add_tokens(GRAMMAR_TAGS, special_tokens=False)
-    # Copying a phenotype name of 3-8 BPE pieces from the case into a query takes induction that a 3M-parameter
-    # model did not learn in 720 SFT steps (exact phenotype recall 15%); one token per name leaves one decision per
-    # phenotype. (Measured: the next query token became right 64% of the time teacher-forced, not enough; README.)
+    # One token per phenotype name: copying a name of several BPE pieces from the case into a query takes induction
+    # a tiny model does not learn from SFT alone, and a single token leaves one decision per phenotype (not enough on
+    # its own either: copy pre-training below; docs/BENCHMARKS.md, settings 3 and 4).
     hf.add_tokens(list(whole_tokens), special_tokens=False)
     hf.save_pretrained(out_dir)
     return hf
@@ -153,25 +137,12 @@ def _model_config(cfg: TinyModelConfig, tokenizer):
         tie_word_embeddings=cfg.tie_embeddings, **ids)
 
 
-def save_processor(tokenizer, out_dir: Path) -> None:
-    """Qwen2.5-VL's processor (image + video processors, the project tokenizer, its chat template), so vLLM and
-    `AutoProcessor` turn images into `<|image_pad|>` runs and pixel patches as the real model's would."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
-    size = {"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS}
-    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size), tokenizer=tokenizer,
-                        video_processor=Qwen2VLVideoProcessor(size=size),
-                        chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
-
-
 # Copy pre-training (model.tiny.copy_pretrain_steps): sequences "noise, x, noise, <query>, x" with the loss on the
 # second x, so the model learns to find a list far back in its context and write it out, as a query copies a case's
-# phenotypes. The copy is learned suddenly (the loss creeps down for 1,000-2,000 steps, then halves within ~300), and
-# with the 3-layer model reliably only without noise: "x <query> x" was learned by ~1,000 steps;
-# with up to 40 noise tokens between x and <query> from the start, and noise before x growing to 150 tokens on a fixed
-# schedule, it was learned once (at ~800 steps) and not in two other runs of 2,000 steps. So the noise grows only after
-# the model copies a batch: from none to COPY_MAX_PREFIX before x and COPY_MAX_GAP after it over COPY_RAMP steps. SFT
-# after a copier put 25-29% of a held-out case's phenotypes in its greedy query, against 2% without, and GRPO
-# with retrieval from it beat GRPO without by 20-21 points on two seeds (docs/BENCHMARKS.md, setting 4).
+# phenotypes. A small model learns the copy suddenly, and reliably only without noise, so the noise grows only after
+# the model copies a batch: from none to COPY_MAX_PREFIX before x and COPY_MAX_GAP after it over COPY_RAMP steps. A
+# copier is what lets SFT write a case's phenotypes into its query, and so GRPO learn from retrieval
+# (docs/BENCHMARKS.md, setting 4).
 COPY_LIST_TOKENS = (3, 12)
 COPY_MAX_PREFIX, COPY_MAX_GAP, COPY_RAMP = 150, 40, 500
 COPY_BATCH, COPY_LR, COPY_WARMUP = 32, 1e-3, 100

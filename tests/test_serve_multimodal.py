@@ -87,7 +87,7 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     from actors.environment import Grammar
     from actors.image_tokens import ImageTokens
     from actors.image_index import LocalImageRetriever, ensure_image_index
-    from actors.rollout_worker import chat_prompt_ids
+    from tasks.schema import chat_prompt_ids
     from actors.retrieval_env import RetrievalEnvironment
     from serve.agent import Cdir, retrieval_observer, run_agent
 

@@ -1,0 +1,34 @@
+"""The chat and image conventions every multimodal policy medray builds shares: ChatML with Qwen's vision tokens, and
+Qwen2.5-VL's processor at the imaging world's input size."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from tasks.imaging import INPUT_SIZE
+
+CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+# Qwen's ChatML template, kept short: system/user/assistant turns and the generation prompt.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Every image, a whole 448-px scan or a small zoom-in crop, is resized to about INPUT_SIZE^2 pixels (sides multiples
+# of patch 14 x merge 2 = 28): 112 x 112 -> 8 x 8 patches -> 16 tokens after the 2 x 2 merge. min = max, so a crop
+# is magnified to the model's input size: that is what makes zooming in worth a tool call.
+IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
+
+
+def save_processor(tokenizer, out_dir: Path) -> None:
+    """Qwen2.5-VL's processor (image + video processors, the project tokenizer, its chat template), so vLLM and
+    `AutoProcessor` turn images into `<|image_pad|>` runs and pixel patches as the real model's would."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    size = {"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS}
+    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size), tokenizer=tokenizer,
+                        video_processor=Qwen2VLVideoProcessor(size=size),
+                        chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
