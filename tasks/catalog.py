@@ -43,8 +43,9 @@ def resolve_tasks_path(spec: str) -> Path:
 
 def load_tasks(spec: str | list[str]) -> list[dict]:
     """Task records as plain dicts (they travel to actors); malformed lines raise naming file and line.
-    Relative image paths are resolved against the task file's directory, and every image must exist (checked here,
-    so a wrong path fails before any actor starts, naming the file, the task and the field). A list of task-set names
+    Relative image paths are resolved against the task file's directory, and every image must exist and open as an
+    image (checked here, so a wrong path or a damaged file fails before any actor starts, naming the file, the task
+    and the field). A list of task-set names
     (`data.train: [hpo:mcq_train, phenopackets:...#mcq_train]`) gives their tasks one after the other; a task id
     two of them share is an error naming both."""
     if not isinstance(spec, str):
@@ -57,7 +58,21 @@ def load_tasks(spec: str | list[str]) -> list[dict]:
         for i, image in enumerate(task.images):
             if not Path(image).is_file():
                 raise TaskFormatError(f"{path}: task {task.id!r}: field 'images.{i}': image not found: {image}")
+            if (problem := unreadable_image(image)) is not None:
+                raise TaskFormatError(f"{path}: task {task.id!r}: field 'images.{i}': {image} is not an image the "
+                                      f"model's processor can take ({problem})")
     return [t.model_dump(mode="json") for t in tasks]
+
+
+def unreadable_image(path: str) -> str | None:
+    """Why PIL cannot open `path` as an image (its header alone is read), or None."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(path) as image:
+            image.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def _load_mixture(specs: list[str]) -> list[dict]:

@@ -107,6 +107,19 @@ def test_training_set_with_a_missing_image_is_refused_before_anything_starts(tmp
     assert [t["images"][0] for t in load_tasks(str(path))] == [str(tmp_path / "images" / "a.png")] * 2
 
 
+def test_an_image_file_that_is_no_image_is_refused_naming_task_and_field(tmp_path):
+    from learners.data import load_tasks
+    from tasks.schema import TaskFormatError
+
+    (tmp_path / "scan.png").write_bytes(png_bytes()[:40])  # cut inside the header
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({**GOOD_TASK, "images": ["scan.png"]}) + "\n")
+    with pytest.raises(TaskFormatError) as err:
+        load_tasks(str(path))
+    assert str(err.value).startswith(f"{path}: task 't1': field 'images.0': {tmp_path / 'scan.png'} is not an image "
+                                     "the model's processor can take (")
+
+
 def test_empty_or_truncated_training_file_names_the_file(tmp_path):
     from learners.data import load_tasks
     from tasks.schema import TaskFormatError
