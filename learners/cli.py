@@ -6,7 +6,7 @@
     medray serve [serve.app:app | configs/serve.yaml] [checkpoint=... key=value ...]
     medray build-index --kb hpo --out outputs/hpo_index
     medray expert --config configs/quickstart.yaml --data hpo:mcq_train --out outputs/demos.jsonl
-    medray build-model smollm2-135m-instruct
+    medray build-model smollm2-135m-instruct | smollm2-135m-vision
     medray traces outputs/quickstart [--out page.html]
 
 Each command runs a module of this repository with the arguments it is given (`medray <command> --help` lists them);
@@ -26,7 +26,8 @@ COMMANDS = {
     "serve": (None, [], "serve a checkpoint with Ray Serve (`serve run`; default app serve.app:app)"),
     "build-index": ("actors.build_index", [], "build a retrieval index (BM25, FAISS) over a knowledge base"),
     "expert": ("learners.expert", [], "write the scripted expert's demonstrations for an SFT cold start"),
-    "build-model": ("tasks.model_aliases", [], "build a real model alias (e.g. smollm2-135m-instruct) offline"),
+    "build-model": ("tasks.model_aliases", [], "build a model alias offline (smollm2-135m-instruct, "
+                                               "smollm2-135m-vision)"),
     "traces": ("learners.traces", [], "write a self-contained HTML page of a run's episodes, step by step"),
 }
 

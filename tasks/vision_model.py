@@ -3,36 +3,36 @@ projector trained on the imaging world's training images.
 
     medray build-model smollm2-135m-vision        # or: python -m tasks.model_aliases smollm2-135m-vision
 
-No vision-language model ships on the package index, so medray makes one. The language model is the text alias's
-weights unchanged: Llama's attention is Qwen2's with zero q/k/v biases, and a text token gets the same position on all
-three M-RoPE axes, so a text-only prompt computes what SmolLM2 computes (tested). Four vision tokens join the
-vocabulary. The vision tower (Qwen2.5-VL's ViT, small, random-initialised) and its patch-merging projector learn in
-two stages, with the language model frozen throughout:
+No vision-language model ships on the package index, so medray makes one. The language model starts as the text
+alias's weights: Llama's attention is Qwen2's with zero q/k/v biases, and a text token gets the same position on all
+three M-RoPE axes, so before any training a text-only prompt computes what SmolLM2 computes (tested). Four vision
+tokens join the vocabulary. The vision tower (Qwen2.5-VL's ViT, small, random-initialised) and its patch-merging
+projector learn in two stages:
 
 1. **Tower pre-training** (no language model): a linear read-out of each merged image token names the finding whose
-   lesion lies under it (or none), on images flipped at random. It is cheap, so it sees many rendered images.
-2. **Alignment** (the language model in the loop, frozen): the projector's output is scaled to the size of the
-   language model's word embeddings, then the tower and projector learn from the imaging world's finding questions
-   (multiple choice and open) on training images, the loss on the answer alone: LLaVA's first stage, the tower
-   trained too.
+   lesion lies under it (or none), on images flipped at random and, some of them, cropped around a lesion as a zoom-in
+   call crops them. It is cheap, so it sees many rendered images.
+2. **Alignment** (the language model in the loop): the projector's output is scaled to the size of the language
+   model's word embeddings, then the tower and projector learn from the imaging world's finding questions (multiple
+   choice and open) on training images, the loss on the answer alone, as in LLaVA's first stage. The language model
+   is frozen, or (`align_lora_rank`) lightly tuned through LoRA adapters merged into its weights at the end.
 
-Training images are rendered from the imaging world's ``train`` split streams (never its test images), at the input
-size the policy sees. The build ends with a probe on held-out images (``imaging:finding_mcq_test``: the option letter
-the model ranks highest after ``<answer>``), by lesion size, written into the manifest.
+Training images are rendered from the imaging world's ``train`` split streams (never its test images) and shown at
+the input size the policy sees (tasks/vision_data.py). The build ends with a probe on held-out images
+(``imaging:finding_mcq_test``: the option letter the model ranks highest after ``<answer>``), by lesion size, written
+into the manifest.
 """
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from tasks.imaging import FINDINGS, CaseResult
-from tasks.imaging.world import IMAGE_SIZE
+from tasks.imaging.world import IMAGE_SIZE, INPUT_SIZE
 from tasks.schema import chat_prompt_ids
-
-NONE = len(FINDINGS)  # the read-out's class for an image token over no lesion
-
+from tasks.vision_data import (NONE, RenderedPool, held_out_pool, pixels, question_rows, render_pool, token_targets,
+                               zoom_window)
 
 @dataclass(frozen=True)
 class VisionRecipe:
@@ -40,31 +40,24 @@ class VisionRecipe:
     depth: int = 4
     hidden_size: int = 256
     num_heads: int = 4
-    window_size: int = 112  # input pixels a block attends within; below the input size, the last block attends to all
     pretrain_images: int = 3000
     pretrain_steps: int = 2400
     pretrain_batch: int = 32
     pretrain_lr: float = 2e-3
+    zoom_share: float = 0.3  # pre-training images shown as a zoom-in crop around one of their lesions
     align_steps: int = 120
     align_batch: int = 8
     align_lr: float = 3e-4
+    align_lora_rank: int = 16  # > 0: the language model learns too, through LoRA adapters merged into it afterwards
     probe_questions: int = 150
     seed: int = 0
     threads: int = 2
 
     def vision_config(self, out_hidden_size: int) -> dict:
+        """Qwen2.5-VL's vision settings; every block attends to the whole image (a window as large as the input)."""
         return dict(depth=self.depth, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
                     num_heads=self.num_heads, out_hidden_size=out_hidden_size, patch_size=14, spatial_merge_size=2,
-                    temporal_patch_size=2, window_size=self.window_size,
-                    fullatt_block_indexes=list(range(self.depth)) if self.window_size >= 112 else [self.depth - 1])
-
-
-@dataclass
-class RenderedPool:
-    """Images (RGB, full resolution) with the lesions each holds, and the cases questions are made from."""
-    images: list = field(default_factory=list)
-    lesions: list = field(default_factory=list)  # per image: the lesions' descriptions (finding, box, stratum, ...)
-    cases: list = field(default_factory=list)    # per image: a CaseResult (None for a pool read from task files)
+                    temporal_patch_size=2, window_size=INPUT_SIZE, fullatt_block_indexes=list(range(self.depth)))
 
 
 def wrap_language_model(text_dir: Path, recipe: VisionRecipe):
@@ -117,66 +110,6 @@ def wrap_language_model(text_dir: Path, recipe: VisionRecipe):
     return model, tokenizer
 
 
-def render_pool(builder, split: str, n: int, workers: int) -> RenderedPool:
-    """Render `n` planned cases of `split` in `workers` processes."""
-    from concurrent.futures import ProcessPoolExecutor
-
-    specs = builder.plan(split, n)
-    hpo_ids = {f.key: builder.hpo_id(f.key) for f in FINDINGS}
-    pool = RenderedPool()
-    with ProcessPoolExecutor(max(1, workers)) as ex:
-        for spec, (image, lesions) in zip(specs, ex.map(_render, specs, [hpo_ids] * n, chunksize=16)):
-            pool.images.append(image)
-            pool.lesions.append(lesions)
-            pool.cases.append(CaseResult(spec, f"{split}-{spec.index:05d}.png", lesions))
-    return pool
-
-
-def _render(spec, hpo_ids):
-    """(RGB PIL image, lesion descriptions) of one case: what the processor and the questions take."""
-    from PIL import Image
-    from tasks.imaging import render_case
-    rendered = render_case(spec)
-    return Image.fromarray(rendered.image).convert("RGB"), [les.describe(hpo_ids[les.finding.key])
-                                                           for les in rendered.lesions]
-
-
-def pixels(image_processor, images: list) -> tuple:
-    """(pixel_values, image_grid_thw) of `images` as the policy's processor makes them."""
-    out = image_processor(images=images, return_tensors="pt")
-    return out["pixel_values"], out["image_grid_thw"]
-
-
-def token_targets(lesions: list[dict], side: int, flip_x: bool, flip_y: bool) -> list[int]:
-    """For each of the `side` x `side` merged tokens (raster order) of an image flipped as asked, the finding whose
-    lesion box overlaps the token most, or NONE; a token holding less than MIN_SHARE of a box does not count (a sliver
-    of a lesion shows nothing)."""
-    span = IMAGE_SIZE / side
-    boxes = []
-    for les in lesions:
-        x0, y0, x1, y1 = les["box"]
-        if flip_x:
-            x0, x1 = IMAGE_SIZE - x1, IMAGE_SIZE - x0
-        if flip_y:
-            y0, y1 = IMAGE_SIZE - y1, IMAGE_SIZE - y0
-        boxes.append((FINDING_INDEX[les["finding"]], x0, y0, x1, y1, MIN_SHARE * (x1 - x0) * (y1 - y0)))
-    out = []
-    for row in range(side):
-        for col in range(side):
-            best, label = 0.0, NONE
-            for finding, x0, y0, x1, y1, least in boxes:
-                area = max(0.0, min(x1, (col + 1) * span) - max(x0, col * span)) * \
-                    max(0.0, min(y1, (row + 1) * span) - max(y0, row * span))
-                if area >= least and area > best:
-                    best, label = area, finding
-            out.append(label)
-    return out
-
-
-FINDING_INDEX = {f.key: i for i, f in enumerate(FINDINGS)}
-MIN_SHARE = 0.25
-
-
 def batches(n: int, size: int, rng: random.Random):
     """Endless shuffled batches of indices into a pool of `n` (at least `size`)."""
     if n < size:
@@ -190,7 +123,8 @@ def batches(n: int, size: int, rng: random.Random):
 
 def pretrain_tower(model, image_processor, pool: RenderedPool, recipe: VisionRecipe, progress) -> dict:
     """Stage 1: the tower and projector learn to name the finding under each merged token (or none) through a
-    linear read-out that is dropped afterwards, on images flipped at random (the targets flipped with them). Empty
+    linear read-out that is dropped afterwards, on images flipped at random and, `zoom_share` of them, cropped around
+    a lesion as a zoom-in would (the targets moved with them). Empty
     tokens outnumber lesions, so they weigh EMPTY_WEIGHT in the loss. Returns the last 20 steps' mean loss and the
     share of lesion tokens named right."""
     import torch
@@ -211,16 +145,20 @@ def pretrain_tower(model, image_processor, pool: RenderedPool, recipe: VisionRec
         images, targets = [], []
         for i in next(draw):
             flip_x, flip_y = rng.random() < 0.5, rng.random() < 0.5
-            image = pool.images[i]
+            window = zoom_window(pool.lesions[i], rng) if rng.random() < recipe.zoom_share else (0, 0, IMAGE_SIZE)
+            x, y, size = window
+            image = pool.images[i].crop((x, y, x + size, y + size))
             if flip_x:
                 image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             if flip_y:
                 image = image.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
             images.append(image)
-            targets.append((flip_x, flip_y, i))
+            targets.append((flip_x, flip_y, window, i))
         values, grids = pixels(image_processor, images)
-        side = int(grids[0, 1]) // visual.spatial_merge_size
-        labels = torch.tensor([token_targets(pool.lesions[i], side, fx, fy) for fx, fy, i in targets]).reshape(-1)
+        # a crop's side may round to another patch grid than a whole image's (3 x 3 tokens instead of 4 x 4)
+        labels = torch.tensor([label for (fx, fy, window, i), (_, side, _) in zip(targets, grids.tolist())
+                               for label in token_targets(pool.lesions[i], side // visual.spatial_merge_size, fx,
+                                                          fy, window)])
         logits = head(visual(values, grid_thw=grids).pooler_output)
         loss = torch.nn.functional.cross_entropy(logits, labels, weight=weight)
         loss.backward()
@@ -244,16 +182,6 @@ def cosine(optimizer, steps: int, warmup: int = 10):
     import torch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) *
                                              0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-
-
-def question_rows(builder, pool: RenderedPool, split: str, kinds=("finding_mcq", "finding_open")) -> list[tuple]:
-    """(image index, chat messages, answer, lesion size) for the world's questions on the pool's cases."""
-    made = builder.tasks(split, pool.cases)
-    rows = []
-    for kind in kinds:
-        for i, task in enumerate(made[kind]):
-            rows.append((i, [m.model_dump() for m in task.messages], task.answer, task.metadata["size_stratum"]))
-    return rows
 
 
 def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True):
@@ -290,14 +218,21 @@ def expand_image(ids: list[int], pad: int, n: int) -> list[int]:
 
 
 def align(model, processor, rows: list[tuple], pool: RenderedPool, recipe: VisionRecipe, progress) -> dict:
-    """Stage 2: the tower and projector learn from questions on training images through the frozen language model,
-    the loss on the answer alone. Returns the last 20 steps' mean loss."""
+    """Stage 2: the tower and projector learn from questions on training images through the language model, the loss
+    on the answer alone; the language model is frozen, or with `align_lora_rank` learns through LoRA adapters that are
+    merged into its weights at the end. Returns the last 20 steps' mean loss."""
     import torch
 
     for p in model.model.language_model.parameters():
         p.requires_grad_(False)
     match_embedding_scale(model, processor, pool)
     params = list(model.model.visual.parameters())
+    if recipe.align_lora_rank:
+        from peft import LoraConfig, get_peft_model
+        adapted = get_peft_model(model.model.language_model, LoraConfig(
+            r=recipe.align_lora_rank, lora_alpha=2 * recipe.align_lora_rank, target_modules=LANGUAGE_LINEARS))
+        model.model.language_model = adapted
+        params += [p for p in adapted.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.align_lr, weight_decay=0.0)
     schedule = cosine(optimizer, recipe.align_steps)
     draw = batches(len(rows), recipe.align_batch, random.Random(f"{recipe.seed}:align"))
@@ -315,8 +250,13 @@ def align(model, processor, rows: list[tuple], pool: RenderedPool, recipe: Visio
         recent = (recent + [loss.item()])[-20:]
         progress.set_postfix_str(f"alignment loss {loss.item():.3f}")
         progress.update(1)
+    if recipe.align_lora_rank:
+        model.model.language_model = model.model.language_model.merge_and_unload()
     model.eval()
     return {"loss": sum(recent) / len(recent)}
+
+
+LANGUAGE_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def match_embedding_scale(model, processor, pool: RenderedPool, images: int = 32) -> None:
@@ -353,21 +293,6 @@ def probe(model, processor, rows: list[tuple], pool: RenderedPool, batch: int = 
                 choice = "ABCD"[int(logits[b, ends[b] - 1, letters].argmax())]
                 right.setdefault(stratum, []).append(choice == answer)
     return {stratum: {"accuracy": sum(v) / len(v), "n": len(v)} for stratum, v in sorted(right.items())}
-
-
-def held_out_pool(limit: int) -> tuple[RenderedPool, list[tuple]]:
-    """The world's held-out finding questions (`imaging:finding_mcq_test`, the first `limit`) and their images."""
-    from PIL import Image
-    from tasks.catalog import load_tasks
-
-    pool, rows = RenderedPool(), []
-    for task in load_tasks("imaging:finding_mcq_test")[:limit]:
-        with Image.open(task["images"][0]) as image:
-            pool.images.append(image.convert("RGB"))
-        pool.lesions.append(task["metadata"]["lesions"])
-        pool.cases.append(None)
-        rows.append((len(rows), task["messages"], task["answer"], task["metadata"]["size_stratum"]))
-    return pool, rows
 
 
 def build_vision_model(text_dir: Path, out: Path, recipe: VisionRecipe, show_progress: bool = True) -> dict:

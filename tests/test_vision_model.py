@@ -7,12 +7,14 @@ import pytest
 
 from tasks import model_aliases
 from tasks.imaging import FINDINGS
-from tasks.vision_model import NONE, VisionRecipe, token_targets
+from tasks.vision_data import NONE, token_targets, zoom_window
+from tasks.vision_model import VisionRecipe
 
 NODULE = [f.key for f in FINDINGS].index("nodule")
-#: A build small enough for a test: one tower block, a few images and steps; the real language model all the same.
+#: A build small enough for a test: one tower block, a few images and steps (zoom crops and LoRA alignment as the
+#: default recipe has them); the real language model all the same.
 TINY = VisionRecipe(depth=1, hidden_size=64, num_heads=1, pretrain_images=8, pretrain_steps=2, pretrain_batch=4,
-                    align_steps=1, align_batch=2, probe_questions=4)
+                    align_steps=1, align_batch=2, align_lora_rank=2, probe_questions=4)
 
 
 def test_each_token_is_labelled_with_the_lesion_covering_most_of_it():
@@ -35,6 +37,19 @@ def register_tiny_vision(monkeypatch, tmp_path, base_dir):
                                                   description="test"))
     monkeypatch.setattr(model_aliases, "alias_dir", lambda alias: base_dir if alias == "smollm2-135m-instruct" else
                         tmp_path / "models" / alias)
+
+
+def test_a_zoom_in_crop_holds_its_lesion_and_its_tokens_follow_it():
+    import random
+    lesion = {"finding": "nodule", "box": [102, 10, 152, 40]}
+    # a 112 px crop at x 96: the box is x 6-56, y 10-40 in it, on tokens of 28 px; a quarter of it is 375 px^2
+    labels = token_targets([lesion], 4, False, False, window=(96, 0, 112))
+    assert labels[:2] == [NODULE, NODULE] and labels.count(NONE) == 14  # 396 and 504 px^2; the row below 264, 336
+    rng = random.Random(0)
+    for _ in range(200):
+        x, y, size = zoom_window([lesion], rng)
+        assert 112 <= size <= 224 and 0 <= x <= 102 and 152 <= x + size <= 448 and 0 <= y and y + size <= 448
+        assert y <= 10 and 40 <= y + size
 
 
 @pytest.mark.slow
@@ -71,6 +86,9 @@ def test_a_built_seeing_policy_takes_an_image_and_records_what_the_build_measure
     assert probe["data"] == "imaging:finding_mcq_test"
     assert sum(v["n"] for k, v in probe.items() if k != "data") == TINY.probe_questions
     assert manifest["files"]["model.safetensors"] == model_aliases.sha256_file(built / "model.safetensors")
+    from safetensors import safe_open
+    with safe_open(built / "model.safetensors", "pt") as weights:  # the adapters are merged, not saved beside
+        assert not [k for k in weights.keys() if "lora" in k]
 
     task = load_tasks("imaging:finding_mcq_test")[0]
     processor = AutoProcessor.from_pretrained(built)
