@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import json
 import sys
-from importlib import util
 from dataclasses import asdict, dataclass
 from hashlib import sha256
+from importlib import util
 from pathlib import Path
 
 from cluster.files import building_dir, cache_dir, file_lock, sha256_file
-from tasks.vision_model import VisionRecipe
+from tasks import vision_model
 
 BUILD_VERSION = 1  # bump when the conversion changes what it writes
 
@@ -48,7 +48,7 @@ class GGUFWheelModel:
 class VisionAlias:
     """A seeing policy medray trains offline on top of the text alias `base` (tasks/vision_model.py)."""
     base: str
-    recipe: VisionRecipe
+    recipe: vision_model.VisionRecipe
     licence: str
     description: str
 
@@ -68,9 +68,10 @@ ALIASES: dict[str, GGUFWheelModel | VisionAlias] = {
         description="SmolLM2-135M-Instruct (Llama, 134.5M parameters, tied embeddings, ChatML), weights "
                     "dequantized from Q4_1: somewhat below the original bfloat16 model"),
     "smollm2-135m-vision": VisionAlias(
-        base="smollm2-135m-instruct", recipe=VisionRecipe(), licence="Apache-2.0 (the language model)",
+        base="smollm2-135m-instruct", recipe=vision_model.VisionRecipe(), licence="Apache-2.0 (the language model)",
         description="SmolLM2-135M-Instruct's language weights in Qwen2.5-VL, with a small vision tower and projector "
-                    "trained on the imaging world's training images (the language model frozen)"),
+                    "trained on the imaging world's training images (the language model lightly tuned by merged LoRA "
+                    "adapters)"),
 }
 
 
@@ -127,8 +128,7 @@ def ensure_alias_model(alias: str) -> Path:
                       "sha256": spec.sha256}
         with building_dir(out) as tmp:
             if isinstance(spec, VisionAlias):
-                from tasks.vision_model import build_vision_model
-                measured = {"measured": build_vision_model(base, tmp, spec.recipe)}
+                measured = {"measured": vision_model.build_vision_model(base, tmp, spec.recipe)}
             else:
                 convert_gguf(gguf, tmp)
                 measured = {}
