@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tasks.chat_format import expand_image_pads
+
 
 @dataclass(frozen=True)
 class ImageLayout:
@@ -86,10 +88,7 @@ class ImageTokens:
 
     def expand(self, ids: list[int], grids: list[tuple[int, int, int]]) -> list[int]:
         """Each single pad of `ids` (one per image, in order) becomes its image's full run of pads."""
-        if ids.count(self.pad_id) != len(grids):
-            raise ValueError(f"{ids.count(self.pad_id)} image placeholders for {len(grids)} images")
-        runs = iter(math.prod(g) // self.merge ** 2 for g in grids)
-        return [x for t in ids for x in ([t] if t != self.pad_id else [t] * next(runs))]
+        return expand_image_pads(ids, self.pad_id, [math.prod(g) // self.merge ** 2 for g in grids])
 
     def collapse(self, ids: list[int]) -> list[int]:
         """Each run of pads becomes one pad (vLLM's prompt form)."""

@@ -65,7 +65,8 @@ def load_tasks(spec: str | list[str]) -> list[dict]:
 
 
 def unreadable_image(path: str) -> str | None:
-    """Why PIL cannot open `path` as an image (its header alone is read), or None."""
+    """Why PIL cannot open and verify `path` as an image (PIL's `verify` reads the file once, decoding nothing), or
+    None."""
     from PIL import Image, UnidentifiedImageError
     try:
         with Image.open(path) as image:

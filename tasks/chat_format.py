@@ -32,3 +32,12 @@ def save_processor(tokenizer, out_dir: Path) -> None:
     Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size), tokenizer=tokenizer,
                         video_processor=Qwen2VLVideoProcessor(size=size),
                         chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
+
+
+def expand_image_pads(ids: list[int], pad_id: int, runs: list[int]) -> list[int]:
+    """Each single image pad of `ids` (vLLM's prompt form, one per image, in order) becomes a run of `runs[i]` pads
+    (what the model's forward reads)."""
+    if ids.count(pad_id) != len(runs):
+        raise ValueError(f"{ids.count(pad_id)} image placeholders for {len(runs)} images")
+    left = iter(runs)
+    return [x for t in ids for x in ([t] if t != pad_id else [t] * next(left))]

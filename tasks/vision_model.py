@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.imaging.world import IMAGE_SIZE, INPUT_SIZE
+from tasks.chat_format import expand_image_pads
 from tasks.schema import chat_prompt_ids
 from tasks.vision_data import (NONE, RenderedPool, held_out_pool, pixels, question_rows, render_pool, token_targets,
                                zoom_window)
@@ -196,7 +197,7 @@ def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True)
     opening = tokenizer.encode("<answer>", add_special_tokens=False)
     ids, ends = [], []
     for (_, messages, answer, _), grid in zip(rows, grids.tolist()):
-        prompt = expand_image(chat_prompt_ids(tokenizer, messages, 1), pad, math.prod(grid) // 4) + opening
+        prompt = expand_image_pads(chat_prompt_ids(tokenizer, messages, 1), pad, [math.prod(grid) // 4]) + opening
         ends.append(len(prompt))
         tail = tokenizer.encode(f"{answer}</answer><|im_end|>", add_special_tokens=False) if with_answer else []
         ids.append(prompt + tail)
@@ -211,10 +212,6 @@ def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True)
     # mm_token_type_ids gives image tokens their 3-D M-RoPE positions, as vLLM does (learners/batches.py)
     return {"input_ids": input_ids, "attention_mask": attention, "labels": labels, "pixel_values": values,
             "image_grid_thw": grids, "mm_token_type_ids": (input_ids == pad).int(), "prompt_ends": ends}
-
-
-def expand_image(ids: list[int], pad: int, n: int) -> list[int]:
-    return [x for t in ids for x in ([t] * n if t == pad else [t])]
 
 
 def align(model, processor, rows: list[tuple], pool: RenderedPool, recipe: VisionRecipe, progress) -> dict:
