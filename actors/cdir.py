@@ -20,7 +20,7 @@ choice.) "Right after `<answer>`" skips whitespace-only tokens: in `<answer>\\nB
 The retrieved case is shown as an observation of the grammar, the way the policy already reads retrieved knowledge: a
 multimodal policy gets the case's image and caption, as the paper integrates "the retrieved image feature and text
 tokens" (`<retrieve><|vision_start|><|image_pad|>...<|vision_end|>Similar case ...: caption</retrieve>`, the image
-placed as an environment's images are, :func:`actors.environment.observation_tokens`); a text-only policy, which
+placed as an environment's images are, :func:`actors.episode.observation_tokens`); a text-only policy, which
 cannot take the image, gets the caption alone.
 """
 from __future__ import annotations
@@ -32,7 +32,8 @@ import re
 import numpy as np
 from PIL import Image
 
-from actors.environment import Grammar, derive_seed, observation_tokens, rgb_array
+from actors.episode import derive_seed, observation_tokens, rgb_array
+from actors.grammar import Grammar
 from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 

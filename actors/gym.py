@@ -33,7 +33,9 @@ import ray
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from actors.environment import Environment, Episode, Grammar, Observation
+from actors.environment import Environment
+from actors.episode import Episode, Observation
+from actors.grammar import Grammar
 from actors.tool_actor import ToolActor, tool_actor_name
 from actors.tools import TOOLS, ToolArgs, ToolArgumentError, ToolCall, ToolContext, ToolResult, tool_class
 

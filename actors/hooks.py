@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from actors.environment import Episode
+from actors.episode import Episode
 from actors.trajectory import Trajectory
 
 

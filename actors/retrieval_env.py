@@ -3,7 +3,8 @@ linked), and the RetrievalEnvironment that serves a batch of queries from Retrie
 rollouts and serving's agent both show and record a search through it."""
 from __future__ import annotations
 
-from actors.environment import Environment, Episode, Observation
+from actors.environment import Environment
+from actors.episode import Episode, Observation
 
 
 def retrieval_text(hits: list[dict] | None, error: str | None, *, show: str = "passages",

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 
 import ray
 
-from actors.environment import Environment, Episode, EpisodeRunner, Grammar, derive_seed, rgb_array, to_trajectory
+from actors.environment import Environment, EpisodeRunner
+from actors.episode import Episode, derive_seed, rgb_array
+from actors.grammar import Grammar
 from actors.hooks import RolloutBatch, RolloutHook
 from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
@@ -33,6 +36,18 @@ def task_prompt(task: dict, tokenizer, vision: ImageTokens | None) -> tuple[list
     grids = [vision.grid(im) for im in images]
     ids = chat_prompt_ids(tokenizer, task["messages"], len(images))
     return (vision.expand(ids, grids) if images else ids), images, grids
+
+
+@dataclass
+class RolloutCall:
+    """One worker's share of a step's rollouts, whole groups of tasks: the arguments of `RolloutWorker.rollout`."""
+    tasks: list[dict]
+    groups: list[int]            # each task's group index in the step
+    group_size: int              # samples a group
+    sampling: dict               # vLLM SamplingParams fields
+    seed: int                    # the step's seed: each sample's is derived from it, its group and its index
+    grammar: dict | None = None  # None: the worker's grammar
+    hooks: list[RolloutHook] = field(default_factory=list)
 
 
 @ray.remote(max_restarts=3, max_task_retries=0)
@@ -140,7 +155,7 @@ class RolloutWorker:
         if any(len(group) != group_size for group in by_group):
             raise RuntimeError(f"rollout hooks {[type(h).__name__ for h in hooks]} left groups of "
                                f"{sorted({len(g) for g in by_group})} samples, not group_size {group_size}")
-        trajectories = [to_trajectory(ep, self.tokenizer, self.version) for group in by_group for ep in group]
+        trajectories = [ep.to_trajectory(self.tokenizer, self.version) for group in by_group for ep in group]
         for hook in hooks:
             hook_stats.update(hook.finish(self, trajectories))
         summary = {**stats, "lengths": [len(t.response_ids) for t in trajectories],

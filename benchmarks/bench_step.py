@@ -10,6 +10,8 @@ shipped) at 8 prompts x 4 samples = 32 samples a step (dynamic sampling off: one
                   multiplies it natively, AVX512-BF16 or AMX, else float32)
   zero1           ZeRO stage 1: gradients reduced once per optimizer step instead of after every micro-batch
   checkpointing   activation checkpointing (learner.gradient_checkpointing)
+  zero3_checkpointing  ZeRO stage 3 (weights partitioned across the ranks too, gathered layer by layer) and
+                  activation checkpointing
   tokens          micro-batches cut at 4096 tokens instead of 4 sequences (learner.max_tokens_per_micro_batch)
   engine_bf16_tis the engine samples in bfloat16 (rollout.dtype) with truncated importance sampling correcting the
                   engine-vs-learner gap (algorithm.rollout_correction.kind=tis)
@@ -44,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {"shipped": [], "zero1": ["learner.zero_stage=1"],
             "checkpointing": ["learner.gradient_checkpointing=true"],
+            "zero3_checkpointing": ["learner.zero_stage=3", "learner.gradient_checkpointing=true"],
             "tokens": ["learner.max_tokens_per_micro_batch=4096"],
             "engine_bf16_tis": ["rollout.dtype=bfloat16", "algorithm.rollout_correction.kind=tis"],
             "zero1_engine_bf16_tis": ["learner.zero_stage=1", "rollout.dtype=bfloat16",

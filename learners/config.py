@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from actors.environment import Grammar
+from actors.grammar import Grammar
 from actors.gym import ToolsConfig
 from actors.judge import JudgeConfig
 from actors.retrieval_index import IndexConfig

@@ -83,12 +83,12 @@ def _demonstration_problem(row: dict) -> str | None:
 
 def demonstration_trajectory(demo: dict, tokenizer, group: int, vision=None):
     """A demonstration as a Trajectory the learner trains on: the chat prompt (with the task's images for a
-    multimodal policy, `vision` an `actors.environment.ImageTokens`), then each segment tokenised on its own (as the
+    multimodal policy, `vision` an `actors.image_tokens.ImageTokens`), then each segment tokenised on its own (as the
     rollout engine appends the environment's observations; a segment's `images` fill its image placeholders), loss
     mask 1 on policy segments only."""
     from PIL import Image
 
-    from actors.environment import rgb_array
+    from actors.episode import rgb_array
     from actors.rollout_worker import task_prompt
     from actors.trajectory import Trajectory
     task = demo["task"]

@@ -180,6 +180,7 @@ def run_episodes(workers: list, tasks: list[dict], sampling: dict, seed: int, ba
     import ray
     from tqdm import tqdm
 
+    from actors.rollout_worker import RolloutCall
     from learners.fleet import gather_shares, send_shares
 
     trajectories, summaries = [], []
@@ -188,7 +189,7 @@ def run_episodes(workers: list, tasks: list[dict], sampling: dict, seed: int, ba
             batch = tasks[start:start + batch_size * len(workers)]
             chunks = [c for c in np.array_split(np.arange(len(batch)), len(workers)) if len(c)]
             busy = workers[:len(chunks)]  # array_split puts the empty chunks last
-            calls = [([batch[i] for i in c], c.tolist(), 1, sampling, seed, grammar) for c in chunks]
+            calls = [RolloutCall([batch[i] for i in c], c.tolist(), 1, sampling, seed, grammar) for c in chunks]
             shares, summary_refs = send_shares(busy, calls)
             summaries += gather_shares(busy, calls, shares, summary_refs, desc, version, restore)
             trajectories += [t for share in ray.get(shares) for t in share]

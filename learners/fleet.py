@@ -18,7 +18,7 @@ from typing import Callable
 
 import ray
 
-from actors.rollout_worker import RolloutWorker
+from actors.rollout_worker import RolloutCall, RolloutWorker
 from cluster.placement import Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners.memory_plan import check_local_run
@@ -28,13 +28,13 @@ from rewards.reward_actor import RewardActor
 log = logging.getLogger("medray.fleet")
 
 
-def send_shares(workers: list, calls: list[tuple]) -> tuple[list, list]:
-    """One `rollout` call per worker (`calls[i]`, its arguments, to `workers[i]`): (trajectory refs, summary refs)."""
-    refs = [worker.rollout.options(num_returns=2).remote(*call) for worker, call in zip(workers, calls)]
+def send_shares(workers: list, calls: list[RolloutCall]) -> tuple[list, list]:
+    """One `rollout` call per worker (`calls[i]` to `workers[i]`): (trajectory refs, summary refs)."""
+    refs = [worker.rollout.options(num_returns=2).remote(**vars(call)) for worker, call in zip(workers, calls)]
     return [t for t, _ in refs], [s for _, s in refs]
 
 
-def gather_shares(workers: list, calls: list[tuple], trajectories: list, summaries: list, what: str,
+def gather_shares(workers: list, calls: list[RolloutCall], trajectories: list, summaries: list, what: str,
                   version: int = 0, restore: Callable[[int], None] | None = None, attempts: int = 3) -> list[dict]:
     """The summaries of the shares `send_shares` sent, once every worker's has arrived. A share lost with its worker
     (killed, out of memory), or sampled by a worker Ray restarted with weights older than `version`, is generated

@@ -7,7 +7,7 @@ import logging
 
 import ray
 
-from actors.environment import derive_seed
+from actors.episode import derive_seed
 from actors.image_tokens import ImageTokens
 from learners.config import RunConfig
 from learners.data import PromptSampler, demonstration_trajectory, prompts_that_fit, read_demonstrations
@@ -44,7 +44,7 @@ class Stages:
             self.demonstrations = [demonstration_trajectory(d, self.tokenizer, i, vision) for i, d in enumerate(demos)]
             self.sampler = PromptSampler(len(demos), sft.batch_size, cfg.seed, sft.shuffle)
             return
-        if previous is None or previous.data != cfg.data or not hasattr(self, "tasks"):
+        if previous is None or previous.data != cfg.data or self.tasks is None:
             self.tasks = prompts_that_fit(cfg.data, self.tokenizer)
         self.sampler = PromptSampler(len(self.tasks), cfg.rollout.prompts_per_step, cfg.seed, cfg.data.shuffle)
         self.rollout_hooks = self.recipe.rollout_hooks(cfg)

@@ -20,25 +20,26 @@ import ray
 import torch
 import yaml
 
-from actors.environment import derive_seed
-from learners.services import count_restarts, service_actors, service_roles
+from actors.episode import derive_seed
+from actors.rollout_worker import RolloutCall
 from cluster.placement import ROLES
-from learners import checkpoint as ckpt
 from cluster.storage import run_storage
+from learners import checkpoint as ckpt
 from learners.algorithm import compute_advantages
 from learners.config import RunConfig
 from learners.data import PromptSampler
 from learners.dynamic_sampling import count_informative, fill_batch, kept_groups
 from learners.fleet import Fleet, gather_shares, send_shares
 from learners.learner_group import LearnerGroup, LearnerRankFailed
-from learners.recovery import Recovery
-from learners.stages import Stages
 from learners.memory_plan import MemoryWatch
 from learners.metrics import (Laps, MetricsLogger, kept_metrics, kept_scores, learner_reports, sample_totals,
                               step_metrics)
-from tasks.tiny_models import policy_dir
+from learners.recovery import Recovery
+from learners.services import count_restarts, service_actors, service_roles
+from learners.stages import Stages
 from learners.validation import Validator, closing_report, plot_curves
 from recipes import load_recipe
+from tasks.tiny_models import policy_dir
 
 log = logging.getLogger("medray.trainer")
 
@@ -51,7 +52,17 @@ class StepRollouts:
     version: int                      # the learner weight version the workers held when the step was sent
     trajectories: list[ray.ObjectRef]
     summaries: list[ray.ObjectRef]
-    calls: list[tuple]
+    calls: list[RolloutCall]
+
+
+@dataclass
+class TrainingBatch:
+    """What a GRPO step trains on, and what its reward metrics are over."""
+    trajectories: list[ray.ObjectRef]  # the batch's trajectory refs, whole groups in order
+    totals: list[float]                # each sample's total reward, in the batch's order
+    sampling: dict                     # dynamic sampling's stats and its kept groups' reward columns; {} without it
+    sampled: list[dict]                # the score dicts of every group sampled in the step
+    trained: list[dict]                # the batch's own score dicts, in its order
 
 
 class Trainer(Stages, Recovery):
@@ -63,6 +74,27 @@ class Trainer(Stages, Recovery):
         self.ckpt_root = self.out / "checkpoints"
         self.storage = run_storage(cfg.storage.path, self.out)  # where checkpoints, metrics and evaluations go too
         self.memory_watch = MemoryWatch()
+        # The run's state, set by `setup` (None until then: `shutdown` releases only what set-up started)
+        self.recipe = self.tokenizer = None
+        self.base_model: str | None = None              # the policy's starting weights (the config's model, built)
+        self.learners: LearnerGroup | None = None
+        self.metrics: MetricsLogger | None = None
+        self.validator: Validator | None = None
+        self.report: str | None = None                  # the closing evaluation table, once the run has one
+        self.step = 0                                   # optimizer steps taken (the resumed checkpoint's at start)
+        self.version = 0                                # the learner's weight version: one per optimizer step
+        self.restarts = {"rollout": 0, "reward": 0, "learner": 0}  # actors restarted in the run, by role
+        self.reward_pids: dict[int, int] = {}           # each reward actor's process id, to notice a restart
+        self.service_pids: dict = {}                    # the same for the service actors (retriever, tools, judge)
+        self.history: list[dict] = []                   # each step's record
+        self.startup: dict = {}                         # set-up time by phase, reported with the first step
+        # The current stage's (learners/stages.py: enter_stage)
+        self.stage_index: int | None = None
+        self.stage = self.stage_cfg = self.sampler = None
+        self.tasks: list[dict] | None = None            # a GRPO stage's prompts
+        self.demonstrations: list | None = None         # an SFT stage's
+        self.rollout_hooks: list = []
+        self.stateful_rewards = False
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -107,17 +139,17 @@ class Trainer(Stages, Recovery):
             scores = self.score(rollouts)
             next_step = rollouts.step + 1
             pending = self.start_rollouts(next_step) if overlap and next_step < end else None
-            batch, totals, sampled, scores, trained = self.training_batch(rollouts, scores)
-            advantages = compute_advantages(torch.tensor(totals), cfg.rollout.group_size, cfg.algorithm.advantage,
-                                            cfg.algorithm.normalize_std)
-            train, sync = self.update_and_sync(batch, advantages.tolist(), "grpo")
+            batch = self.training_batch(rollouts, scores)
+            advantages = compute_advantages(torch.tensor(batch.totals), cfg.rollout.group_size,
+                                            cfg.algorithm.advantage, cfg.algorithm.normalize_std)
+            train, sync = self.update_and_sync(batch.trajectories, advantages.tolist(), "grpo")
             if not overlap and next_step < end:
                 pending = self.start_rollouts(next_step)
             self.step = next_step
-            self.metrics.traces.record(self.step, self.stage.name, batch, trained, advantages.tolist(),
-                                       cfg.rollout.grammar.observation_tag)
-            record = {**step_metrics(self.step, scores, summaries, train, sync, self.version), **sampled,
-                      **self.health(rollouts)}
+            self.metrics.traces.record(self.step, self.stage.name, batch.trajectories, batch.trained,
+                                       advantages.tolist(), cfg.rollout.grammar.observation_tag)
+            record = {**step_metrics(self.step, batch.sampled, summaries, train, sync, self.version),
+                      **batch.sampling, **self.health(rollouts)}
             self.finish_step(record, step_start, bar)
 
     def run_sft(self, end: int, bar) -> None:
@@ -170,8 +202,8 @@ class Trainer(Stages, Recovery):
         sampling = r.sampling()
         step_seed = derive_seed(self.cfg.seed, step, *([refill_round] if refill_round else []))
         chunks = np.array_split(np.arange(len(indices)), len(self.workers))
-        calls = [([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling, step_seed,
-                  r.grammar.model_dump(), self.rollout_hooks) for groups in chunks]
+        calls = [RolloutCall([self.tasks[indices[g]] for g in groups], groups.tolist(), r.group_size, sampling,
+                             step_seed, r.grammar.model_dump(), self.rollout_hooks) for groups in chunks]
         return StepRollouts(step, self.version, *send_shares(self.workers, calls), calls)
 
     def collect(self, rollouts: StepRollouts) -> list[dict]:
@@ -204,28 +236,22 @@ class Trainer(Stages, Recovery):
                 self.reward_pids[actor] = s["pid"]
         return ray.get(self.rewarders[0].calibrate.remote(scores)) if self.stateful_rewards else scores
 
-    def training_batch(self, rollouts: StepRollouts,
-                       scores: list[dict]) -> tuple[list, list[float], dict, list[dict], list[dict]]:
+    def training_batch(self, rollouts: StepRollouts, scores: list[dict]) -> TrainingBatch:
         """What the learner trains on: the step's rollouts with their rewards, or with dynamic sampling the
-        informative groups (`refill`), always prompts_per_step whole groups; then the sampling stats, the score
-        dicts of every group sampled (those the step's reward metrics are over) and those of the batch, in its order
-        (`trained`)."""
-        r, totals = self.stage_cfg.rollout, sample_totals(scores)
-        batch, totals, sampled, scores, trained = self.refill(rollouts, scores) \
-            if self.stage_cfg.algorithm.dynamic_sampling \
-            else (rollouts.trajectories, totals, {}, scores, scores)
-        if len(totals) != r.prompts_per_step * r.group_size:
-            raise RuntimeError(f"step {rollouts.step + 1}: {len(totals)} samples scored, expected "
+        informative groups (`refill`), always prompts_per_step whole groups."""
+        r = self.stage_cfg.rollout
+        batch = self.refill(rollouts, scores) if self.stage_cfg.algorithm.dynamic_sampling \
+            else TrainingBatch(rollouts.trajectories, sample_totals(scores), {}, scores, scores)
+        if len(batch.totals) != r.prompts_per_step * r.group_size:
+            raise RuntimeError(f"step {rollouts.step + 1}: {len(batch.totals)} samples scored, expected "
                                f"{r.prompts_per_step * r.group_size}")
-        return batch, totals, sampled, scores, trained
+        return batch
 
-    def refill(self, rollouts: StepRollouts,
-               scores: list[dict]) -> tuple[list, list[float], dict, list[dict], list[dict]]:
+    def refill(self, rollouts: StepRollouts, scores: list[dict]) -> TrainingBatch:
         """DAPO's dynamic sampling (learners/dynamic_sampling.py): rounds of other prompts while fewer than
-        prompts_per_step groups have rewards that differ, then the batch of those groups, as one object. Returns the
-        batch, its totals, the sampling stats with the kept groups' reward columns (`*_kept`), and every round's
-        score dicts: the step's reward metrics are over all the groups sampled, not the kept ones only; last the
-        batch's own score dict."""
+        prompts_per_step groups have rewards that differ, then the batch of those groups, as one object. The step's
+        reward metrics are over all the groups sampled, not the kept ones only; the kept groups' reward columns are
+        in the sampling stats (`*_kept`)."""
         r, bound = self.stage_cfg.rollout, self.stage_cfg.algorithm.max_extra_rounds
         round_scores = [scores]
         rounds = [([t for share in ray.get(rollouts.trajectories) for t in share], sample_totals(scores))]
@@ -237,8 +263,9 @@ class Trainer(Stages, Recovery):
         trajectories, kept, stats = fill_batch(rounds, r.group_size, r.prompts_per_step)
         stats.update(kept_metrics(round_scores, r.group_size, r.prompts_per_step))
         picks, _ = kept_groups([totals for _, totals in rounds], r.group_size, r.prompts_per_step)
-        return [ray.put(trajectories)], kept, {**stats, "extra_generation_rounds": len(rounds) - 1}, \
-            [s for each in round_scores for s in each], kept_scores(round_scores, picks, r.group_size)
+        return TrainingBatch([ray.put(trajectories)], kept, {**stats, "extra_generation_rounds": len(rounds) - 1},
+                             [s for each in round_scores for s in each],
+                             kept_scores(round_scores, picks, r.group_size))
 
     def update_and_sync(self, batch: list, advantages: list[float] | None, objective: str) -> tuple[dict, dict]:
         """The tail every step shares: one update of the learner group, then its weights to every rollout worker."""
@@ -285,8 +312,7 @@ class Trainer(Stages, Recovery):
         self.fleet.join_ray()
         laps.lap("ray")
         self.recipe = load_recipe(cfg.recipe)
-        self.step, resume_from = 0, None
-        resume_source = None  # the checkpoint's URI when it comes from storage
+        resume_from, resume_source = None, None  # resume_source: the checkpoint's URI when it comes from storage
         if cfg.resume:
             resume_from, resume_source = ckpt.resume_point(self.ckpt_root, self.storage)
             if resume_from is None:
@@ -311,9 +337,6 @@ class Trainer(Stages, Recovery):
         self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from, resume_source)
         laps.lap("learners")
         self.learners.connect(self.workers)
-        self.stage_index = None
-        self.restarts, self.reward_pids = {"rollout": 0, "reward": 0, "learner": 0}, {}  # restarts, by role
-        self.service_pids: dict = {}
         laps.lap("connect")
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
         laps.lap("stage")
@@ -321,21 +344,18 @@ class Trainer(Stages, Recovery):
         ray.get([w.ready.remote() for w in self.workers])
         laps.lap("rollout_workers")
         count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
-        self.version = self.step  # the learner's weight version: one per optimizer step taken
+        self.version = self.step
         self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
         self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
-        self.report = None  # the closing evaluation table, once the run has one
-        self.history: list[dict] = []  # each step's record
-        self.startup = laps.total()  # reported with the first step
+        self.startup = laps.total()
         log.info("start-up %s", laps)
 
     def shutdown(self) -> None:
         """Release every actor and reservation (`Fleet.close`), so the next run (or test) in this Ray session finds
         them free; after a set-up that failed part-way, what it had started."""
-        started = vars(self)  # what set-up got to: an attribute it never set is a part it never started
-        if started.get("metrics"):
+        if self.metrics is not None:
             self.metrics.close()
-        if started.get("learners"):
+        if self.learners is not None:
             self.learners.shutdown()
         self.fleet.close()
 

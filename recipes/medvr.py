@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.environment import Episode, derive_seed
+from actors.episode import Episode, derive_seed
 from actors.hooks import RolloutBatch, RolloutHook
 from recipes import Recipe, register_recipe
 

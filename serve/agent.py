@@ -1,12 +1,13 @@
 """Agent mode: the served policy's multi-turn loop, with retrieval or with tools, on a served request.
 
-The same grammar as training (`actors.environment.Grammar`): the model writes until it closes the action tag, the
-action goes to the environment (an `Observe`), its observation comes back inside the observation tag and the model
-continues, until it closes `</answer>`, runs out of turns or of its token budget, or the environment ends the episode.
+Training's episode and turn logic (`actors.episode.Episode`, the grammar `actors.grammar.Grammar`), driven here by one
+request on the async engine: the model writes until it closes the action tag, the action goes to the environment (an
+`Observe`), its observation comes back inside the observation tag and the model continues, until it closes
+`</answer>`, runs out of turns or of its token budget, or the environment ends the episode.
 Two environments: retrieval (`retrieval_observer`: `</query>` -> hits in `<retrieve>...`, as the Retriever shows them in
 training) and tools (`serve.tools`: `<tool_call>{"name", "arguments"}</tool_call>` -> the tool's text and images in
-`<tool_response>...`, with the Gym's checks and records). Observation images join the request's images: the prompt
-holds one placeholder per image (vLLM's form) and the room left counts the tokens each expands to.
+`<tool_response>...`, with the Gym's checks and records). Observation images join the request's images; the episode
+holds each image's full run of pads, as training's do, and the engine gets one placeholder per image (vLLM's form).
 
 CDIR (Med-RwR's test-time image re-retrieval, `actors/cdir.py`): when the request's image and an image search are
 given, the answer's confidence (the probability of the option token after `<answer>`, from the engine's log-prob of
@@ -27,26 +28,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import re
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
-from PIL import Image
-
-from actors.environment import Grammar, Observation, action_end, observation_end, observation_limit, observation_tokens, turn_seed
-
+from actors.cdir import THRESHOLD, answer_confidence, case_observation, cdir_fires, token_pieces
+from actors.episode import Episode, Generation, Observation, rgb_array
+from actors.grammar import Grammar
 from actors.retrieval_env import RetrievalEnvironment
-from actors.cdir import THRESHOLD, answer_confidence, case_image, case_text, cdir_fires, token_pieces
 from actors.image_tokens import ImageTokens
 from serve.protocol import APIError, chunk, sse, usage, usage_chunk
 
 log = logging.getLogger("medray.serve")
 
-# (prompt ids, images, max_tokens, stop strings, seed) -> (text, token ids, stop string that ended it or None,
-# log-probs of the token ids)
-Generate = Callable[[list[int], list, int, list[str], int | None],
-                    Awaitable[tuple[str, list[int], str | None, list[float]]]]
+# (vLLM's token prompt, max_tokens, stop strings, seed) -> the generation
+Generate = Callable[[dict, int, list[str], int | None], Awaitable[Generation]]
 # (queries, top_k) -> hits per query, each a dict with at least "id" and "text"
 Search = Callable[[list[str], int], Awaitable[list[list[dict]]]]
 # (images, top_k) -> image-caption hits per image, each {id, image_path, caption, score} (actors.image_index)
@@ -87,7 +83,8 @@ class Cdir:
 @dataclass
 class AgentResult:
     answer: str | None
-    finish: str                                     # answer, turn_limit, budget, length, stop
+    finish: str                                     # answer, or the episode's: stop, length, turn_limit, budget,
+    #                                                   vision_token, the environment's
     transcript: str                                 # everything after the prompt: the model's and the environment's
     completion_tokens: int                          # tokens the model wrote
     turns: list[dict] = field(default_factory=list)  # per action: its record, training's (retrieval: query, error,
@@ -109,119 +106,111 @@ async def run_agent(generate: Generate, observe: Observe, tokenizer, grammar: Gr
                     images: list = (), vision: ImageTokens | None = None, prefix: str = "", max_tokens: int,
                     max_model_len: int, stop: list[str], seed: int | None, timeout_s: float, cdir: Cdir | None = None,
                     emit: Emit = ignore) -> AgentResult:
-    """Drive one episode over `prompt_ids` (one placeholder per image of `images`; `max_model_len` already less the
-    tokens they expand to). `prefix` is text already in the prompt that belongs to the model's first turn (a
-    continued assistant message), so an action it opened is closed by the first generation. `max_tokens` bounds the
-    model's tokens; the grammar's `max_response_tokens` bounds model and environment tokens together. `vision`: the
-    policy's image tokens, needed when observations carry images. `cdir`: re-retrieve by image when the answer's
-    confidence is below its threshold (an episode that ends without an answer has no confidence, and CDIR does not
-    fire). `emit` sees each model turn and observation as it happens."""
-    result = await _episode(generate, observe, tokenizer, grammar, prompt_ids, list(images), vision, prefix,
-                            max_tokens, max_model_len, stop, seed, timeout_s, cdir, emit)
+    """Drive one episode over `prompt_ids` (vLLM's form: one placeholder per image of `images`) with training's turn
+    logic (`actors.episode.Episode`). `prefix` is text already in the prompt that belongs to the model's first turn
+    (a continued assistant message), so an action it opened is closed by the first generation. `max_tokens` bounds
+    the model's tokens; the grammar's `max_response_tokens` bounds model and environment tokens together;
+    `max_model_len` the whole context, image tokens included. `vision`: the policy's image tokens, needed when the
+    prompt or the observations carry images. `cdir`: re-retrieve by image when the answer's confidence is below its
+    threshold (an episode that ends without an answer has no confidence, and CDIR does not fire). `emit` sees each
+    model turn and observation as it happens."""
+    if images and vision is None:
+        raise ValueError(f"the request has {len(images)} images, but the served model is text-only")
+    arrays = [rgb_array(image) for image in images]
+    grids = [vision.grid(a) for a in arrays]
+    episode = Episode(task={}, group=0, seed=seed, images=arrays, image_grids=grids,
+                      prompt_ids=vision.expand(list(prompt_ids), grids) if arrays else list(prompt_ids))
+    result = await _episode(generate, observe, tokenizer, grammar, episode, vision, prefix, max_tokens, max_model_len,
+                            stop, timeout_s, cdir, emit)
     if cdir is not None and result.cdir is None:
         result = dataclasses.replace(result, cdir={"fired": False, "threshold": cdir.threshold})
     return result
 
 
-async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Grammar, prompt_ids: list[int],
-                   images: list, vision: ImageTokens | None, prefix: str, max_tokens: int, max_model_len: int,
-                   stop: list[str], seed: int | None, timeout_s: float, cdir: Cdir | None, emit: Emit) -> AgentResult:
+async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Grammar, episode: Episode,
+                   vision: ImageTokens | None, prefix: str, max_tokens: int, max_model_len: int, stop: list[str],
+                   timeout_s: float, cdir: Cdir | None, emit: Emit) -> AgentResult:
     """The loop of :func:`run_agent`; its result has a CDIR record only when the episode answered."""
-    ids, transcript, segment = list(prompt_ids), "", prefix
-    written, turns, image_tokens = 0, [], 0  # image_tokens: what observation images expand to beyond their pads
+    transcript, segment, written = "", prefix, 0
     stops = sorted(set(stop) | set(grammar.stops()))
     while True:
-        used = len(ids) + image_tokens  # response tokens: used - len(prompt_ids), as an Episode's response_ids
-        room = min(max_tokens - written, grammar.max_response_tokens - (used - len(prompt_ids)), max_model_len - used)
+        room = min(max_tokens - written, episode.room(grammar),
+                   max_model_len - len(episode.prompt_ids) - len(episode.response_ids))
         if room <= 0:
-            return AgentResult(None, "budget", transcript, written, turns)
-        turn_sampling_seed = None if seed is None else turn_seed(seed, len(turns))
-        turn_start = len(ids), len(transcript)
-        text, new_ids, stopped_by, logprobs = await generate(ids, images, room, stops, turn_sampling_seed)
-        ids += new_ids
-        transcript += text
-        segment += text
-        written += len(new_ids)
-        emit({"kind": "model", "turn": len(turns), "text": text})
-        if stopped_by == f"</{grammar.answer_tag}>":
-            confidence = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
-                                           grammar.answer_tag)
-            result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, turns,
+            return AgentResult(None, "budget", transcript, written, episode.turns)
+        seed, turn_start, history = episode.sampling_seed(), len(episode.response_ids), transcript
+        generation = await generate(episode.engine_prompt(vision), room, stops, seed)
+        transcript += generation.text
+        segment += generation.text
+        written += len(generation.ids)
+        emit({"kind": "model", "turn": len(episode.turns), "text": generation.text})
+        action = episode.generated(grammar, generation, segment, vision)
+        if action is None and generation.stop_reason == f"</{grammar.answer_tag}>":
+            confidence = answer_confidence(token_pieces(tokenizer, generation.ids), generation.logprobs,
+                                           [1] * len(generation.ids), grammar.answer_tag)
+            result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, episode.turns,
                                  confidence, None if cdir is None else {"fired": False, "threshold": cdir.threshold})
             if cdir is not None and cdir_fires(confidence, cdir.threshold):
-                return await _reanswer(result, cdir, generate, tokenizer, grammar, vision, ids[:turn_start[0]],
-                                       images, transcript[:turn_start[1]], prefix, max_tokens,
-                                       max_model_len - image_tokens, stop, turn_sampling_seed, timeout_s, emit)
+                return await _reanswer(result, cdir, generate, tokenizer, grammar, vision, episode, turn_start,
+                                       history, prefix, max_tokens, max_model_len, stop, seed, timeout_s, emit)
             return result
-        if stopped_by != grammar.action_close:
-            return AgentResult(None, "stop" if stopped_by else "length", transcript, written, turns)
-        if (ended := action_end(grammar, turns, len(ids) + image_tokens - len(prompt_ids))) is not None:
-            return AgentResult(None, ended, transcript, written, turns)
-        step = await observe(grammar.action_text(segment), turns)
-        turns.append(step.record)
-        observation_ids, kept, expanded = served_observation(
-            step, grammar, tokenizer, vision, observation_limit(grammar, len(ids) + image_tokens - len(prompt_ids)))
-        ids += observation_ids
-        images += kept
-        image_tokens += expanded
-        shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
+        if action is None:
+            return AgentResult(None, episode.finish_reason, transcript, written, episode.turns)
+        shown_from, images_before = len(episode.response_ids), len(episode.images)
+        going_on = episode.observed(grammar, await observe(action, episode.turns), tokenizer, vision)
+        shown = _decode(tokenizer, vision, episode.response_ids[shown_from:])
         transcript += shown
-        emit({"kind": "observation", **step.record, "turn": len(turns) - 1, "images": len(kept), "text": shown})
-        if (ended := observation_end(grammar, step, len(ids) + image_tokens - len(prompt_ids))) is not None:
-            return AgentResult(None, ended, transcript, written, turns)
+        emit({"kind": "observation", **episode.turns[-1], "turn": len(episode.turns) - 1,
+              "images": len(episode.images) - images_before, "text": shown})
+        if not going_on:
+            return AgentResult(None, episode.finish_reason, transcript, written, episode.turns)
         segment = ""
 
 
-def served_observation(step: Observation, grammar: Grammar, tokenizer, vision: ImageTokens | None,
-                       limit: int | None = None) -> tuple[list[int], list, int]:
-    """The observation as training inserts it (`actors.environment.observation_tokens`, at most `limit` tokens,
-    default the grammar's observation cap), in vLLM's form: ids with one pad per image, the images kept (PIL) and the
-    tokens those expand to beyond their pads."""
-    if step.images and vision is None:
-        raise ValueError(f"the environment returned {len(step.images)} images, but the served model is text-only")
-    ids, arrays, grids = observation_tokens(tokenizer, grammar, vision, step.text, step.images,
-                                            grammar.max_observation_tokens if limit is None else limit)
-    if not arrays:
-        return ids, [], 0
-    return vision.collapse(ids), [Image.fromarray(a) for a in arrays], \
-        sum(math.prod(g) // vision.merge ** 2 - 1 for g in grids)
+def _decode(tokenizer, vision: ImageTokens | None, ids: list[int]) -> str:
+    """Tokens as the transcript shows them: an image as one placeholder (vLLM's form)."""
+    return tokenizer.decode(vision.collapse(ids) if vision else ids, skip_special_tokens=False)
 
 
 async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenizer, grammar: Grammar,
-                    vision: ImageTokens | None, history_ids: list[int], images: list, history: str, prefix: str,
+                    vision: ImageTokens | None, episode: Episode, turn_start: int, history: str, prefix: str,
                     max_tokens: int, max_model_len: int, stop: list[str], seed: int | None, timeout_s: float,
                     emit: Emit) -> AgentResult:
-    """Eqn. 7 of Med-RwR: the answer turn is dropped, the most similar image-caption case joins the context after
-    the reasoning history (a multimodal model, `vision`: its image, then its caption, after the episode's `images`;
-    a text-only one: the caption), and the model answers once more (the dropped turn's tokens still count as
-    written). A failed image search, or an unreadable case image, keeps the first answer."""
+    """Eqn. 7 of Med-RwR: the answer turn (from `turn_start` of the episode's response; `history` the transcript
+    before it) is dropped, the most similar image-caption case joins the context after the reasoning history (as
+    evaluation shows it, `actors.cdir.case_observation`: a multimodal model its image, then its caption; a text-only
+    one the caption), and the model answers once more (the dropped turn's tokens still count as written). A failed
+    image search, or an unreadable case image, keeps the first answer."""
     try:
         hit = (await asyncio.wait_for(cdir.search_images([cdir.image], 1), timeout_s))[0][0]
-        case = Observation(case_text(hit), {}, images=[case_image(hit)] if vision else [])
-        observation_ids, shown_images, expanded = served_observation(case, grammar, tokenizer, vision)
+        case_ids, case_images, case_grids = case_observation(hit, tokenizer, grammar, vision)
     except Exception as e:  # noqa: BLE001  no case to add: the first answer stands, and the trace says why
         return dataclasses.replace(first, cdir={"fired": True, "threshold": cdir.threshold,
                                                 "error": type(e).__name__})
-    ids = history_ids + observation_ids
-    shown = tokenizer.decode(observation_ids, skip_special_tokens=False)
+    # the context to answer from again: the episode before its answer turn, then the case
+    again = Episode(task=episode.task, group=episode.group, seed=seed, images=episode.images + case_images,
+                    image_grids=episode.image_grids + case_grids,
+                    prompt_ids=episode.prompt_ids + episode.response_ids[:turn_start] + case_ids)
+    shown = _decode(tokenizer, vision, case_ids)
     transcript = history + shown
     emit({"kind": "cdir", "turn": len(first.turns), "case_id": hit["id"], "text": shown})
     written = first.completion_tokens
-    room = min(max_tokens - written, max_model_len - expanded - len(ids))
+    room = min(max_tokens - written, max_model_len - len(again.prompt_ids))
     record = {"fired": True, "threshold": cdir.threshold, "case_id": hit["id"], "caption": hit["caption"],
-              "score": hit["score"], "image_shown": bool(shown_images)}
+              "score": hit["score"], "image_shown": bool(case_images)}
     if room <= 0:
         return dataclasses.replace(first, cdir={**record, "error": "no room to answer again"})
-    text, new_ids, stopped_by, logprobs = await generate(
-        ids, [*images, *shown_images], room, sorted(set(stop) | {f"</{grammar.answer_tag}>"}), seed)
-    transcript += text
-    emit({"kind": "model", "turn": len(first.turns), "text": text})
-    answered = stopped_by == f"</{grammar.answer_tag}>"
-    record["confidence_after"] = answer_confidence(token_pieces(tokenizer, new_ids), logprobs, [1] * len(new_ids),
-                                                   grammar.answer_tag) if answered else None
+    answer_close = f"</{grammar.answer_tag}>"
+    generation = await generate(again.engine_prompt(vision), room, sorted(set(stop) | {answer_close}), seed)
+    transcript += generation.text
+    emit({"kind": "model", "turn": len(first.turns), "text": generation.text})
+    answered = generation.stop_reason == answer_close
+    record["confidence_after"] = answer_confidence(token_pieces(tokenizer, generation.ids), generation.logprobs,
+                                                   [1] * len(generation.ids), grammar.answer_tag) \
+        if answered else None
     return AgentResult(_answer(prefix + transcript, grammar) if answered else None,
-                       "answer" if answered else ("stop" if stopped_by else "length"), transcript,
-                       written + len(new_ids), first.turns, first.confidence, record)
+                       "answer" if answered else (generation.finish_reason or "length"), transcript,
+                       written + len(generation.ids), first.turns, first.confidence, record)
 
 
 async def _search(search: Search, query: str, top_k: int, timeout_s: float) -> tuple[list[dict] | None, str | None]:

@@ -23,6 +23,7 @@ from fastapi.responses import StreamingResponse
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from actors.episode import Generation
 from actors.image_tokens import ImageTokens
 from serve.agent import Cdir, retrieval_observer, run_agent, stream_agent
 from serve.api import api, read_body
@@ -263,14 +264,11 @@ class ChatServer:
             grammar = grammar.model_copy(update={"max_turns": asked.max_turns})
         turn_ids = itertools.count()
 
-        async def generate(ids: list[int], images: list, budget: int, stops: list[str], seed: int | None):
+        async def generate(engine_prompt: dict, budget: int, stops: list[str], seed: int | None) -> Generation:
             params = self.sampling(req, budget, delta=False, agent_stops=stops, seed=seed)
-            async for output in self.engine.generate(prompt.to_vllm(ids, images), params,
-                                                     f"{cid}-{next(turn_ids)}"):
+            async for output in self.engine.generate(engine_prompt, params, f"{cid}-{next(turn_ids)}"):
                 seq = output.outputs[0]
-            stopped_by = seq.stop_reason if isinstance(seq.stop_reason, str) else None
-            return seq.text, list(seq.token_ids), stopped_by, [lp[t].logprob for lp, t in zip(seq.logprobs,
-                                                                                          seq.token_ids)]
+            return Generation.from_vllm(seq)
 
         async def search(queries: list[str], top_k: int) -> list[list[dict]]:
             return await self.retriever.search.remote(queries, top_k)
@@ -286,11 +284,10 @@ class ChatServer:
             retrieval_observer(search, retrieval_environment(agent, asked.top_k or agent.retrieval["top_k"]),
                                agent.retrieval_timeout_s,
                                parse_option_listing(last_user_text(req)) if agent.link_options else None)
-        # The loop counts its ids, which hold one placeholder per image: the images' other tokens leave less room.
         episode = functools.partial(run_agent, generate, observe, self.tokenizer, grammar, prompt.ids,
                                     images=prompt.images, vision=self.vision,
                                     prefix=prefix if isinstance(prefix, str) else "", max_tokens=max_tokens,
-                                    max_model_len=self.settings.engine.max_model_len - prompt.image_tokens,
+                                    max_model_len=self.settings.engine.max_model_len,
                                     stop=req.stop_list, seed=req.seed, timeout_s=agent.retrieval_timeout_s,
                                     cdir=cdir)
 

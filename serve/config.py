@@ -14,7 +14,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, ValidationError
 
-from actors.environment import Grammar
+from actors.grammar import Grammar
 from actors.cdir import THRESHOLD
 from cluster.engine import EngineSettings, GpuMemoryUtilization, MaxNumSeqs
 from cluster.schema import Strict

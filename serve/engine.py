@@ -24,7 +24,7 @@ log = logging.getLogger("medray.serve")
 @dataclass
 class EnginePrompt:
     """A chat prompt as the engine takes it: token ids with ONE `<|image_pad|>` per image (vLLM expands each into the
-    image's run of pads itself, see actors.environment.ImageTokens) and the images, in order."""
+    image's run of pads itself, see actors.image_tokens.ImageTokens) and the images, in order."""
     ids: list[int]
     images: list = field(default_factory=list)  # RGB PIL images
     image_tokens: int = 0  # the pads the images expand to, beyond the one each already has in `ids`
@@ -34,12 +34,10 @@ class EnginePrompt:
         """The prompt's length in the model's context, image tokens included (what the limits count)."""
         return len(self.ids) + self.image_tokens
 
-    def to_vllm(self, ids: list[int] | None = None, images: list | None = None) -> dict:
-        """vLLM's token prompt of `ids` and `images` (default: this prompt's; agent turns pass the prompt grown by
-        their turns, which keeps the images' placeholders, and the images their observations added)."""
-        images = self.images if images is None else images
-        prompt = {"prompt_token_ids": self.ids if ids is None else ids}
-        return {**prompt, "multi_modal_data": {"image": images}} if images else prompt
+    def to_vllm(self) -> dict:
+        """vLLM's token prompt: the ids and the images beside them."""
+        prompt = {"prompt_token_ids": self.ids}
+        return {**prompt, "multi_modal_data": {"image": self.images}} if self.images else prompt
 
 
 class EngineDeadError(RuntimeError):

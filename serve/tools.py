@@ -18,7 +18,7 @@ from pathlib import Path
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from actors.environment import Observation
+from actors.episode import Observation
 from actors.gym import ToolsConfig, plan_call, tool_observation
 from actors.tools import ToolCall, make_tool
 from cluster.devices import pin_threads
@@ -101,5 +101,5 @@ def tool_observer(tools: DeploymentHandle, images: list, timeout_s: float) -> Ob
         except Exception as e:  # noqa: BLE001
             error = type(e).__name__
         return Observation(f"the tool call failed ({error}); continue without it",
-                    {"requested": None, "args": None, "error": error})
+                           {"requested": None, "args": None, "error": error})
     return observe

@@ -13,7 +13,7 @@ from PIL import Image
 from actors.biomedclip import load_biomedclip
 from actors.image_index import (IndexMismatchError, LocalImageRetriever, build_image_index, check_image_manifest,
                                 default_corpus, read_image_manifest)
-from actors.environment import Grammar
+from actors.grammar import Grammar
 from actors.image_tokens import ImageTokens
 from actors.trajectory import Trajectory
 from actors.cdir import (answer_confidence, answer_token_index, case_observation, case_text, cdir_fires,

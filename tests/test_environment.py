@@ -4,7 +4,9 @@ import time
 
 import pytest
 
-from actors.environment import Episode, EpisodeRunner, Grammar
+from actors.environment import EpisodeRunner
+from actors.episode import Episode
+from actors.grammar import Grammar
 from actors.retrieval_env import RetrievalEnvironment
 
 pytestmark = pytest.mark.slow
@@ -124,7 +126,7 @@ def test_killed_retriever_does_not_lose_the_trajectory(engine, retriever_cls):
 def test_paging_returns_the_next_hits_of_a_query_already_searched():
     """retrieval.paging: the same query again (case and spacing aside) reads the next top_k hits, numbered on; another
     query starts at the first page; without paging a repeated query reads the first page again."""
-    from actors.environment import Episode
+    from actors.episode import Episode
     from actors.retrieval_env import RetrievalEnvironment
     hits = [{"id": i, "title": f"Disease {i}", "text": ""} for i in range(1, 7)]
     episode = Episode(task={"options": {"A": "Disease 4", "B": "Other"}}, group=0, seed=0, prompt_ids=[])

@@ -217,7 +217,7 @@ def test_the_closing_report_says_what_the_last_stage_added_and_how_the_agent_sea
 
 
 def test_a_search_records_which_options_its_hits_were_marked_with():
-    from actors.environment import Episode
+    from actors.episode import Episode
     from actors.retrieval_env import RetrievalEnvironment
 
     task = {"answer": "B", "options": {"A": "Gout", "B": "Marfan syndrome"}}

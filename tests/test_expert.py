@@ -40,7 +40,7 @@ def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_mo
 def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path, tmp_path):
     """retrieval.show=titles + link_options: hits are '[i] title', the gold one marked '(option X)', and the
     demonstration's observation is exactly what RetrievalEnvironment gives a rollout for the same hits."""
-    from actors.environment import Episode
+    from actors.episode import Episode
     from actors.retrieval_env import RetrievalEnvironment
     from actors.retriever import LocalRetriever
     from actors.build_index import default_index_dir
@@ -84,7 +84,7 @@ def test_a_rechecking_expert_reads_the_next_page_as_a_paging_rollout_would_and_a
     RetrievalEnvironment's paging shows (the next top_k hits, numbered on), then answers from whichever page shows the
     gold disease; a task whose gold is on neither gets no demonstration."""
     from actors.build_index import default_index_dir
-    from actors.environment import Episode
+    from actors.episode import Episode
     from actors.retrieval_env import RetrievalEnvironment
     from actors.retriever import LocalRetriever
     from learners.expert import rechecks

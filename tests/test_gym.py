@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from actors.environment import Episode, Observation
+from actors.episode import Episode, Observation
 from actors.gym import MedicalGym, ToolEnvironment, ToolsConfig, make_tool_environment, parse_tool_call
 from actors.tools import ToolArgumentError, ToolCall, ToolContext, box_iou, make_tool
 
@@ -291,7 +291,8 @@ def test_tool_episodes_on_a_real_engine(env, tasks, tiny_model_path):
     from vllm import LLM
     from vllm.sampling_params import StructuredOutputsParams
 
-    from actors.environment import EpisodeRunner, Grammar
+    from actors.environment import EpisodeRunner
+    from actors.grammar import Grammar
     llm = LLM(model=str(tiny_model_path), dtype="float32", seed=0, max_model_len=512, enforce_eager=True,
               distributed_executor_backend="uni", enable_chunked_prefill=False, kv_cache_memory_bytes=2**28)
     tok = llm.get_tokenizer()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from actors.environment import Observation
+from actors.episode import Observation
 from actors.gym import MedicalGym, ToolEnvironment, ToolsConfig, make_tool_environment
 from actors.tools import ToolCall, ToolContext, make_tool
 from tasks.imaging import CaseSpec, LesionSpec, render_case

@@ -6,7 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from actors.environment import Environment, Episode, EpisodeRunner, Grammar, Observation, rgb_array
+from actors.environment import Environment, EpisodeRunner
+from actors.episode import Episode, Observation, rgb_array
+from actors.grammar import Grammar
 from actors.image_tokens import ImageTokens
 from tasks.tiny_models import TinyModelConfig
 

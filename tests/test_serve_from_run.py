@@ -8,7 +8,8 @@ import shutil
 import pytest
 import yaml
 
-from actors.environment import Episode, Grammar
+from actors.episode import Episode, Generation
+from actors.grammar import Grammar
 from actors.retrieval_env import RetrievalEnvironment
 from learners.expert import cut_observation
 from tasks.schema import option_listing, parse_option_listing
@@ -19,6 +20,12 @@ HITS = [{"id": "marfan#0", "doc_id": "marfan", "title": "Marfan syndrome", "text
         {"id": "homo#0", "doc_id": "homo", "title": "Homocystinuria", "text": "Lens dislocation, marfanoid habitus."}]
 KB = [("marfan", "Marfan syndrome", "Marfan syndrome: tall stature, arachnodactyly and ectopia lentis."),
       ("cf", "Cystic fibrosis", "Cystic fibrosis: recurrent lung infections and salty sweat.")]
+
+
+def scripted(tokenizer, text: str) -> Generation:
+    """A policy turn as the engine returns it, stopped by the tag it closes."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return Generation(text, ids, [0.0] * len(ids), "stop", text[text.rindex("</"):])
 
 
 def test_option_listing_round_trips_through_a_question():
@@ -48,9 +55,8 @@ def test_the_same_hits_read_the_same_in_training_the_expert_and_serving(tiny_mod
 
     turns = iter(["<query>tall</query>", "<answer>B</answer>"])
 
-    async def generate(ids, images, budget, stops, seed):  # the policy's two turns, scripted
-        text = next(turns)
-        return text, tokenizer.encode(text, add_special_tokens=False), text[text.rindex("</"):], [0.0] * 4
+    async def generate(prompt, budget, stops, seed):  # the policy's two turns, scripted
+        return scripted(tokenizer, next(turns))
 
     async def search(queries, top_k):
         return [HITS[:top_k]]
@@ -80,9 +86,8 @@ def test_served_paging_is_training_paging(tiny_model_path):
     asked = []
     turns = iter(["<query>tall</query>", "<query>Tall </query>", "<answer>B</answer>"])
 
-    async def generate(ids, images, budget, stops, seed):
-        text = next(turns)
-        return text, tokenizer.encode(text, add_special_tokens=False), text[text.rindex("</"):], [0.0] * 4
+    async def generate(prompt, budget, stops, seed):
+        return scripted(tokenizer, next(turns))
 
     async def search(queries, top_k):
         asked.append(top_k)

@@ -84,7 +84,8 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     from transformers import AutoTokenizer
 
     from actors.cdir import case_image, case_text
-    from actors.environment import Grammar
+    from actors.episode import Generation
+    from actors.grammar import Grammar
     from actors.image_tokens import ImageTokens
     from actors.image_index import LocalImageRetriever, ensure_image_index
     from tasks.schema import chat_prompt_ids
@@ -98,10 +99,10 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": "Which finding?"}], num_images=1)
     calls = []
 
-    async def generate(ids, images, budget, stops, seed):  # answers at once, with confidence 0.3
-        calls.append((list(ids), list(images)))
+    async def generate(prompt, budget, stops, seed):  # answers at once, with confidence 0.3
+        calls.append((prompt["prompt_token_ids"], prompt.get("multi_modal_data", {}).get("image", [])))
         new = tokenizer.encode("<answer>B</answer>", add_special_tokens=False)
-        return "<answer>B</answer>", new, "</answer>", [math.log(0.3)] * len(new)
+        return Generation("<answer>B</answer>", new, [math.log(0.3)] * len(new), "stop", "</answer>")
 
     async def search(queries, top_k):
         raise AssertionError("the scripted model writes no query")
@@ -120,8 +121,9 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     assert trace["confidence"] == pytest.approx(0.3) and trace["cdir"]["confidence_after"] == pytest.approx(0.3)
     assert trace["cdir"]["fired"] and trace["cdir"]["case_id"] == hit["id"] and trace["cdir"]["image_shown"]
     (first, first_images), (again, again_images) = calls
-    assert first == prompt and first_images == [request_image] and first.count(vision.pad_id) == 1
-    assert len(again_images) == 2 and again_images[0] is request_image
+    assert first == prompt and first.count(vision.pad_id) == 1
+    assert len(first_images) == 1 and np.array_equal(first_images[0], np.asarray(request_image))
+    assert len(again_images) == 2 and np.array_equal(again_images[0], np.asarray(request_image))
     assert np.array_equal(np.asarray(again_images[1]), case_image(hit))
     shown = grammar.wrap_observation(vision.placeholder + case_text(hit))
     assert again[:len(prompt)] == prompt and tokenizer.decode(again[len(prompt):]) == shown

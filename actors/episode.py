@@ -1,0 +1,198 @@
+"""One episode and its turn logic, the one both drivers run: training's `EpisodeRunner` (a batch of episodes on a
+vLLM `LLMEngine`, actors/environment.py) and serving's agent (one request's episode on the async engine,
+serve/agent.py).
+
+A turn: the engine generates from :meth:`Episode.engine_prompt` with :meth:`Episode.room` tokens at most and
+:meth:`Episode.sampling_seed`; :meth:`Episode.generated` records it and returns the action the policy closed (or
+None: the episode has ended, `finish_reason` says why); the driver asks the environment; :meth:`Episode.observed`
+inserts its observation and says whether the policy goes on.
+
+Images (a multimodal policy, :class:`actors.image_tokens.ImageTokens`): the episode's token ids hold each image as its
+full run of pad tokens (`<|image_pad|>` for Qwen2-VL; what the learner's forward needs); vLLM gets each run collapsed
+to one pad plus the images as `multi_modal_data`, and expands it itself.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from actors.grammar import Grammar
+from actors.image_tokens import ImageTokens
+from actors.trajectory import Trajectory
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed that is a fixed function of `parts` (run seed, step, prompt, sample, turn, ...), decorrelated
+    across them: every random stream of a run is derived, so resuming needs no saved generator state."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of an episode's `turn`-th generation (turn 0 keeps the episode's own seed)."""
+    return seed if turn == 0 else derive_seed(seed, turn)
+
+
+@dataclass
+class Observation:
+    """What the environment answers to one action: text shown inside the grammar's observation tags, the record kept
+    in the trajectory's turn (rewards read it), images shown to a multimodal policy, and whether the episode ends."""
+    text: str
+    record: dict = field(default_factory=dict)
+    images: list = field(default_factory=list)
+    done: bool = False
+
+
+@dataclass
+class Generation:
+    """One generation turn as the engine returned it: its text, token ids and their log-probabilities, vLLM's
+    `finish_reason` ("stop" | "length") and `stop_reason` (the stop string that ended it, else None or a token id),
+    and each token's entropy when recorded."""
+    text: str
+    ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    entropies: list[float] | None = None
+
+    @classmethod
+    def from_vllm(cls, seq, entropies: list[float] | None = None) -> Generation:
+        """From vLLM's `CompletionOutput` (sampled with `logprobs` set)."""
+        ids = list(seq.token_ids)
+        return cls(seq.text, ids, [lp[t].logprob for lp, t in zip(seq.logprobs, ids)], seq.finish_reason,
+                   seq.stop_reason, entropies)
+
+
+@dataclass
+class Episode:
+    task: dict
+    group: int
+    seed: int | None                                          # None: unseeded sampling (a served request)
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    turns: list[dict] = field(default_factory=list)
+    finish_reason: str = ""
+    images: list[np.ndarray] = field(default_factory=list)   # RGB uint8 arrays of every image in the ids, in order
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # their (t, h, w) patch grids
+    entropies: list[float] = field(default_factory=list)     # per response token (0 on the environment's), if recorded
+    branch: dict | None = None                                # a fork: {"of": base rollout, "at": token}
+
+    # ---- the turn logic -------------------------------------------------------------------------------------
+    def room(self, grammar: Grammar) -> int:
+        """The tokens the policy may still write within the grammar's response budget (policy and environment)."""
+        return grammar.max_response_tokens - len(self.response_ids)
+
+    def sampling_seed(self) -> int | None:
+        """The seed of the next generation: one per turn, derived from the episode's."""
+        return None if self.seed is None else turn_seed(self.seed, len(self.turns))
+
+    def engine_prompt(self, vision: ImageTokens | None) -> dict:
+        """vLLM's token prompt of the episode so far: each image's run of pads collapsed to one, the images beside."""
+        ids = self.prompt_ids + self.response_ids
+        if not self.images:
+            return {"prompt_token_ids": ids}
+        return {"prompt_token_ids": vision.collapse(ids), "multi_modal_data": {"image": self.images}}
+
+    def generated(self, grammar: Grammar, generation: Generation, segment: str | None = None,
+                  vision: ImageTokens | None = None) -> str | None:
+        """Record a generation; returns the action the policy just closed, to go to the environment, or None: the
+        episode has ended, `finish_reason` says why: vLLM's ("stop" at the answer tag or end of sequence,
+        "length"), "turn_limit" or "budget" (an action past the grammar's limits), "vision_token" (a token only images
+        may bring, dropped: it would be a fake image). `segment`: the text the action is read from (default the
+        generation's; serving passes a continued assistant message's text before it)."""
+        ids, logprobs, entropies = generation.ids, generation.logprobs, generation.entropies
+        if vision and ids and ids[-1] in vision.special_ids:
+            self.extend(ids[:-1], logprobs[:-1], by_policy=True, entropies=entropies and entropies[:-1])
+            self.finish_reason = "vision_token"
+            return None
+        self.extend(ids, logprobs, by_policy=True, entropies=entropies)
+        asked = grammar.action_tag is not None and generation.finish_reason == "stop" \
+            and generation.stop_reason == grammar.action_close
+        if not asked:
+            self.finish_reason = generation.finish_reason or "length"
+        elif len(self.turns) >= grammar.max_turns:
+            self.finish_reason = "turn_limit"
+        elif len(self.response_ids) >= grammar.max_response_tokens:
+            self.finish_reason = "budget"
+        else:
+            return grammar.action_text(generation.text if segment is None else segment)
+        return None
+
+    def observed(self, grammar: Grammar, observation: Observation, tokenizer, vision: ImageTokens | None) -> bool:
+        """Insert the environment's answer: its record joins the turns, its tokens (:func:`observation_tokens`, at
+        most what the grammar's observation cap and the response budget leave) the response with loss mask 0, the
+        images that fit the episode's images. Returns whether the policy goes on; else `finish_reason` says why: the
+        environment ended it (its record's "finish", else "environment"), or the budget is spent ("budget")."""
+        self.turns.append(observation.record)
+        if observation.images and vision is None:
+            raise ValueError(f"the environment returned {len(observation.images)} images for task "
+                             f"{self.task.get('id')!r}, but the policy model is text-only (no image processor)")
+        limit = min(grammar.max_observation_tokens, self.room(grammar))
+        ids, images, grids = observation_tokens(tokenizer, grammar, vision, observation.text, observation.images,
+                                                limit)
+        self.extend(ids, [], by_policy=False)
+        self.images += images
+        self.image_grids += grids
+        if observation.done:
+            self.finish_reason = observation.record.get("finish", "environment")
+        elif self.room(grammar) <= 0:
+            self.finish_reason = "budget"
+        return not self.finish_reason
+
+    # ---- the record -----------------------------------------------------------------------------------------
+    def extend(self, ids: list[int], logprobs: list[float], by_policy: bool,
+               entropies: list[float] | None = None) -> None:
+        self.response_ids += ids
+        self.logprobs += logprobs if by_policy else [0.0] * len(ids)
+        self.loss_mask += [int(by_policy)] * len(ids)
+        self.entropies += entropies if entropies is not None else [0.0] * len(ids)
+
+    def fork(self, position: int, seed: int | None, images: int) -> Episode:
+        """A copy of this episode's first `position` response tokens, with the turns and the first `images` images
+        that lie before them, that samples on from there with `seed`: a branch."""
+        mask = self.loss_mask[:position]
+        turns = sum(1 for i in range(1, len(mask)) if mask[i - 1] == 0 and mask[i] == 1)  # observations passed
+        return Episode(task=self.task, group=self.group, seed=seed, prompt_ids=self.prompt_ids,
+                       response_ids=self.response_ids[:position], logprobs=self.logprobs[:position], loss_mask=mask,
+                       turns=[dict(t) for t in self.turns[:turns]], images=self.images[:images],
+                       image_grids=self.image_grids[:images], entropies=self.entropies[:position])
+
+    def to_trajectory(self, tokenizer, version: int) -> Trajectory:
+        return Trajectory(task=self.task, group=self.group, prompt_ids=self.prompt_ids,
+                          response_ids=self.response_ids, logprobs=self.logprobs, loss_mask=self.loss_mask,
+                          text=tokenizer.decode(self.response_ids, skip_special_tokens=False),
+                          finish_reason=self.finish_reason, weight_version=version, turns=self.turns,
+                          images=self.images, image_grids=self.image_grids, branch=self.branch)
+
+
+def rgb_array(image) -> np.ndarray:
+    """An image (PIL, or an array HxW / HxWx3 / HxWx4) as the RGB uint8 HxWx3 array vLLM and the learner both get."""
+    if not isinstance(image, np.ndarray):
+        return np.array(image.convert("RGB"))  # writable: torch.from_numpy warns on read-only arrays
+    if image.dtype != np.uint8:
+        raise ValueError(f"image arrays must be uint8, got {image.dtype}")
+    if image.ndim == 2:
+        return np.repeat(image[:, :, None], 3, axis=2)
+    if image.ndim == 3 and image.shape[2] in (3, 4):
+        return np.ascontiguousarray(image[:, :, :3])
+    raise ValueError(f"an image array must be HxW, HxWx3 or HxWx4, got shape {image.shape}")
+
+
+def observation_tokens(tokenizer, grammar: Grammar, vision: ImageTokens | None, text: str, images: list,
+                       limit: int) -> tuple[list[int], list[np.ndarray], list[tuple[int, int, int]]]:
+    """An observation as the policy reads it, at most `limit` tokens: its images first inside the grammar's observation
+    tags (each a full run of pads; `vision` is needed when there are images), then its text. Returns the ids and the
+    images that fit (RGB arrays) with their patch grids: an image that does not fit is dropped whole."""
+    if not images:
+        return tokenizer.encode(grammar.wrap_observation(text), add_special_tokens=False)[:limit], [], []
+    arrays = [rgb_array(im) for im in images]
+    grids = [vision.grid(im) for im in arrays]
+    ids = vision.expand(tokenizer.encode(grammar.wrap_observation(vision.placeholder * len(arrays) + text),
+                                         add_special_tokens=False), grids)
+    ids = ids[:vision.cut(ids, limit)]
+    kept = ids.count(vision.start_id)
+    return ids, arrays[:kept], grids[:kept]
