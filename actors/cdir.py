@@ -6,7 +6,7 @@ Eqns. 6-7, appendix D.2.2, Algorithm 1):
 
 tau is the position of `<answer>`, so eta is the probability of the predicted option token right after it; lambda is
 0.8. When eta < lambda the most similar image-caption pair of the corpus D (BiomedCLIP image cosine,
-:mod:`actors.image_index`) joins the context after the reasoning history h, k (the final answer turn is dropped) and
+:mod:`indexing.image_index`) joins the context after the reasoning history h, k (the final answer turn is dropped) and
 the model answers again.
 
 Where eta comes from: the log-probability the rollout engine reported for the sampled token (`Trajectory.logprobs`),

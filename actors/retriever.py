@@ -19,8 +19,8 @@ import numpy as np
 import ray
 from pydantic import BaseModel, ConfigDict, Field
 
-from actors.encoders import MINILM_NAMES, Encoder, load_encoder, resolve_encoder_path
-from actors.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, import_bm25s,
+from indexing.encoders import MINILM_NAMES, Encoder, load_encoder, resolve_encoder_path
+from indexing.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, import_bm25s,
                                     prepare_for_search, read_manifest, resolve_corpus, shard_dirs)
 from tasks.extras import require
 from cluster.files import sha256_file
@@ -121,7 +121,7 @@ def check_index(index_dir: str | os.PathLike) -> None:
                    if not (directory / name).exists()]
         if missing:
             raise FileNotFoundError(f"index {directory} has no {', '.join(missing)}; rebuild it with python -m "
-                                    f"actors.build_index")
+                                    f"indexing.build_index")
         if built and built["source"] not in MINILM_NAMES:
             try:
                 resolve_encoder_path(built["source"])
@@ -148,7 +148,7 @@ class LocalRetriever:
 
     ``encoder`` is an :class:`Encoder`, a model directory / alias, or None for the one recorded in the manifest;
     ``corpus`` (a chunks JSONL path or "hpo"), when given, must be the corpus the index was built from. Either mismatch
-    raises :class:`~actors.retrieval_index.IndexMismatchError`.
+    raises :class:`~indexing.retrieval_index.IndexMismatchError`.
     """
 
     def __init__(self, index_dir: str | os.PathLike, encoder: Encoder | str | None = None, corpus: str | None = None,

@@ -50,8 +50,8 @@ def evaluate_with_cdir(name: str, index_dir: Path, args) -> dict:
 
 def encoder_row(name: str, clip_dir: str | None, args) -> dict:
     """The neighbour measure and CDIR off / on for one encoder (None: the tiny random one)."""
-    from actors.biomedclip import load_biomedclip
-    from actors.image_index import ensure_image_index
+    from indexing.biomedclip import load_biomedclip
+    from indexing.image_index import ensure_image_index
     from benchmarks.bench_clip import cdir_neighbour
 
     model = load_biomedclip(clip_dir)
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     import torch
 
-    from actors.biomedclip import ensure_contrastive_biomedclip
+    from indexing.biomedclip import ensure_contrastive_biomedclip
     torch.set_num_threads(args.threads)
     encoders = {"random": None, f"contrastive_{args.clip_steps}": str(ensure_contrastive_biomedclip(args.clip_steps))}
     rows = [encoder_row(name, clip_dir, args) for name, clip_dir in encoders.items()]

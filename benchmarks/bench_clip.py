@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from actors.biomedclip import load_biomedclip  # noqa: E402
-from actors.image_index import load_images  # noqa: E402
+from indexing.biomedclip import load_biomedclip  # noqa: E402
+from indexing.image_index import load_images  # noqa: E402
 from tasks.image_corpus import default_corpus, read_image_corpus  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 
@@ -42,7 +42,8 @@ def throughput(fn, items: list, batch_size: int, repeats: int) -> float:
 def cdir_neighbour(model, n_images: int) -> dict:
     """Share of test images whose nearest CDIR corpus case names their finding (its HPO id in the caption), and the
     share expected of a random corpus case of the same modality."""
-    from actors.image_index import LocalImageRetriever, ensure_image_index
+    from actors.image_retriever import LocalImageRetriever
+    from indexing.image_index import ensure_image_index
     from learners.data import load_tasks
     tasks = load_tasks("imaging:finding_mcq_test")[:n_images]
     corpus = read_image_corpus(default_corpus())

@@ -50,12 +50,12 @@ def main() -> None:
     os.environ.pop("RAY_ADDRESS", None)
     import ray
 
-    from actors.build_index import ensure_index
+    from indexing.build_index import ensure_index
     from actors.retrieval_env import RetrievalEnvironment
     from actors.gym import ToolsConfig, make_tool_environment
-    from actors.retrieval_index import IndexConfig
+    from indexing.retrieval_index import IndexConfig
     from actors.retriever import Retriever
-    from actors.build_index import default_index_dir
+    from indexing.build_index import default_index_dir
     from cluster.ray_session import start_or_join
     from cluster.config import ClusterConfig
     from tasks.tiny_models import TinyModelConfig

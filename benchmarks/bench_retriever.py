@@ -6,7 +6,7 @@
 Synthetic corpus: unit vectors with the low intrinsic dimension of real sentence embeddings (a mixture of
 ``--clusters`` Gaussian clusters in a ``--latent-dim`` space, projected to ``--dim`` and given isotropic noise); queries
 are fresh draws from the same distribution. ``--kb-index`` adds a real corpus: the vectors of a flat index built by
-``python -m actors.build_index`` and queries made of the phenotype names of the HPO test tasks, encoded by the
+``python -m indexing.build_index`` and queries made of the phenotype names of the HPO test tasks, encoded by the
 index's encoder. Ground truth is the exact top 10 by inner product (numpy, in blocks); every method is timed on one
 batch of all queries, best of ``--repeats``. Prints a table and writes benchmarks/results/<--name>.json.
 """
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import faiss  # noqa: E402
 import numpy as np  # noqa: E402
 
-from actors.retrieval_index import IndexConfig, build_dense_index, prepare_for_search  # noqa: E402
+from indexing.retrieval_index import IndexConfig, build_dense_index, prepare_for_search  # noqa: E402
 from benchmarks.common import report  # noqa: E402
 
 K = 10
@@ -112,8 +112,8 @@ def kb_dataset(index_dir: Path, n_queries: int) -> tuple[np.ndarray, np.ndarray]
     """Vectors of a flat index and encoded phenotype-name queries of the HPO test tasks."""
     import re
 
-    from actors.encoders import load_encoder
-    from actors.retrieval_index import read_manifest
+    from indexing.encoders import load_encoder
+    from indexing.retrieval_index import read_manifest
     from tasks.build_hpo import ensure_hpo_world
     from cluster.files import cache_dir
     from tasks.schema import read_tasks
@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--nprobe", default="8,16,32,64", help="IVF nprobe values to sweep")
     parser.add_argument("--refine-factor", default="4,16", help="IVF-PQ exact re-ranking factors to sweep (>= 1)")
     parser.add_argument("--repeats", type=int, default=3, help="time each search this many times, keep the fastest")
-    parser.add_argument("--kb-index", type=Path, help="a flat index from actors.build_index to benchmark as well")
+    parser.add_argument("--kb-index", type=Path, help="a flat index from indexing.build_index to benchmark as well")
     parser.add_argument("--name", default="retriever", help="results go to benchmarks/results/<name>.json")
     args = parser.parse_args()
     faiss.omp_set_num_threads(args.threads)

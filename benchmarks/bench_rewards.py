@@ -10,7 +10,7 @@
    rewards list). The first step (engine warm-up) and, with 3+ steps, the last (it writes a checkpoint) are left out.
 2. Batched BERTScore F1 and CosSim (rewards/semantic.py, the offline all-MiniLM-L6-v2) in pairs/s at a few batch
    sizes, on HPO definitions paired with each other, with `--threads` torch threads (a reward actor has 1).
-3. BiomedCLIP image and text embedding (actors/biomedclip.py) in items/s at the same batch sizes: the tiny
+3. BiomedCLIP image and text embedding (indexing/biomedclip.py) in items/s at the same batch sizes: the tiny
    random model unless --clip-dir names real weights.
 4. One `judge_answer` pass over a quickstart-size batch (16 x 8) through a JudgeActor on the tiny vLLM model (its
    outputs are garbage, so every judgement takes all its retries: an upper bound for that model).
@@ -89,7 +89,7 @@ def clip_rows(sizes: list[int], items: int, clip_dir: str | None) -> list[dict]:
     import numpy as np
     from PIL import Image
 
-    from actors.biomedclip import load_biomedclip
+    from indexing.biomedclip import load_biomedclip
     clip = load_biomedclip(clip_dir)
     rng = np.random.default_rng(0)
     images = [Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)) for _ in range(items)]
@@ -162,7 +162,7 @@ def main() -> None:
     if (ROOT / "actors" / "biomedclip.py").exists():
         rows += clip_rows(args.sizes, args.pairs, args.clip_dir)
     else:
-        print("actors/biomedclip.py is not there: no CLIP throughput")
+        print("indexing/biomedclip.py is not there: no CLIP throughput")
     for row in rows[1:]:
         row["threads"] = args.threads
     if args.judge_max_tokens:

@@ -76,8 +76,8 @@ def agent_bodies(n: int, max_tokens: int, turns: int, close_query: int) -> list[
 
 def small_index(work: Path, chunks: int) -> Path:
     """The first `chunks` chunks of the HPO knowledge base, indexed with the offline MiniLM encoder."""
-    from actors.build_index import build_index, read_chunks
-    from actors.retrieval_index import resolve_corpus
+    from indexing.build_index import build_index, read_chunks
+    from indexing.retrieval_index import resolve_corpus
 
     kb = work / "kb.jsonl"
     kb.write_text("".join(json.dumps(c) + "\n" for c in read_chunks(resolve_corpus("hpo"))[:chunks]))

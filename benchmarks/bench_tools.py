@@ -76,9 +76,9 @@ def main() -> None:
 
     import ray
 
-    from actors.build_index import build_index
+    from indexing.build_index import build_index
     from actors.gym import ToolActorConfig, ToolsConfig, start_tool_actors
-    from actors.retrieval_index import IndexConfig, resolve_corpus
+    from indexing.retrieval_index import IndexConfig, resolve_corpus
     from actors.retriever import Retriever
     from actors.tools import ToolCall, ToolContext, tool_class
     from benchmarks.common import report

@@ -24,7 +24,7 @@ COMMANDS = {
     "dry-run": ("learners.run", ["--dry-run"], "print a config's stages, placement and memory; start nothing"),
     "eval": ("learners.evaluate", [], "score a checkpoint on a task split through rollout workers"),
     "serve": (None, [], "serve a checkpoint with Ray Serve (`serve run`; default app serve.app:app)"),
-    "build-index": ("actors.build_index", [], "build a retrieval index (BM25, FAISS) over a knowledge base"),
+    "build-index": ("indexing.build_index", [], "build a retrieval index (BM25, FAISS) over a knowledge base"),
     "expert": ("learners.expert", [], "write the scripted expert's demonstrations for an SFT cold start"),
     "build-model": ("tasks.model_aliases", [], "build a model alias offline (smollm2-135m-instruct, "
                                                "smollm2-135m-vision)"),

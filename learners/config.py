@@ -13,7 +13,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from actors.grammar import Grammar
 from actors.gym import ToolsConfig
 from actors.judge import JudgeConfig
-from actors.retrieval_index import IndexConfig
+from indexing.retrieval_index import IndexConfig
 from actors.retriever import RetrievalConfig
 from cluster.config import ClusterConfig
 from cluster.engine import EngineSettings

@@ -16,7 +16,7 @@ length, environment calls and errors per sample. Writes `eval.json`, `eval.md` a
 `checkpoint.keep_last` deletes in time).
 
 `--cdir` adds Med-RwR's test-time image re-retrieval (actors/cdir.py) over an image index (`--image-index`, built by
-`python -m actors.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first
+`python -m indexing.image_index`; default: the imaging world's CDIR corpus under the tiny BiomedCLIP, built on first
 use): the report gains its rows (how often it fired; accuracy and confidence before and after), and each sample its
 `cdir` record (the case shown and the second answer where it fired). The metrics above are those of the first answers.
 A multimodal policy is shown the similar case's image and caption before it answers again. A text-only policy on an
@@ -242,7 +242,8 @@ def evaluate(cfg, checkpoint: str, data: str, limit: int | None, batch_size: int
             from transformers import AutoTokenizer
 
             from actors.image_tokens import ImageTokens
-            from actors.image_index import ImageRetriever, ensure_image_index
+            from actors.image_retriever import ImageRetriever
+            from indexing.image_index import ensure_image_index
             from actors.cdir import apply_cdir
 
             index_dir = image_index or str(ensure_image_index(progress=True))
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="report directory (default: <run>/eval/checkpoints/<checkpoint>/"
                                                     "<split>/, outside the checkpoint)")
     parser.add_argument("--cdir", action="store_true", help="Med-RwR confidence-driven image re-retrieval")
-    parser.add_argument("--image-index", default=None, help="image index dir (python -m actors.image_index); "
+    parser.add_argument("--image-index", default=None, help="image index dir (python -m indexing.image_index); "
                                                             "default: the imaging world's, built on first use")
     parser.add_argument("--cdir-threshold", type=float, default=0.8, help="re-retrieve when confidence is below")
     parser.add_argument("--judge", action="store_true", help="grade open answers with the config's judge "

@@ -21,7 +21,7 @@ def policy_acts(cfg) -> bool:
 
 def ensure_run_index(cfg) -> Path:
     """The run's retrieval index directory (`retrieval.index_dir`, else the cache's), built first unless current."""
-    from actors.build_index import default_index_dir, ensure_index
+    from indexing.build_index import default_index_dir, ensure_index
 
     r = cfg.retrieval
     index_dir = Path(r.index_dir) if r.index_dir else default_index_dir(r.kb, r.index.kind, r.shards)

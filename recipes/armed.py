@@ -103,7 +103,7 @@ def generate_demonstrations(workers: list, tasks: list[dict], tokenizer, cfg, ar
     reasoning anchored to the gold answer. Returns how many were written."""
     import ray
 
-    from actors.encoders import load_encoder
+    from indexing.encoders import load_encoder
     from rewards.builtin import answer_correct
     from cluster.files import write_jsonl
 

@@ -176,7 +176,7 @@ class KnowledgeBaseDocuments:
 
     @property
     def path(self) -> Path:
-        from actors.retrieval_index import resolve_corpus
+        from indexing.retrieval_index import resolve_corpus
         return resolve_corpus(self.kb)
 
     def __getitem__(self, doc_id: str) -> str:
@@ -249,12 +249,12 @@ class QuerySemanticImage:
 
     Args (config ``args``):
         clip: a local BiomedCLIP open_clip directory (real weights); None: the tiny BiomedCLIP-architecture model
-            (:func:`actors.biomedclip.load_biomedclip`), meaningless similarities but the same computation.
+            (:func:`indexing.biomedclip.load_biomedclip`), meaningless similarities but the same computation.
         cache_size: image embeddings memoised by path (a group's rollouts share their task's image).
     """
 
     def __init__(self, clip: str | None = None, cache_size: int = 4096):
-        from actors.biomedclip import load_biomedclip
+        from indexing.biomedclip import load_biomedclip
         self.model = load_biomedclip(clip)
         self.cache_size = cache_size
         self._images: OrderedDict[str, object] = OrderedDict()

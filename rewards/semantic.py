@@ -2,7 +2,7 @@
 both from local model directories, and MedVR's open-ended accuracy that mixes BERTScore with BLEU-1/ROUGE-1.
 
 The offline default model for both is all-MiniLM-L6-v2 (Wang et al. 2020, MiniLM; sentence-transformers' training),
-as shipped inside a PyPI wheel and located by `actors.encoders.minilm_path()`, read with transformers alone. The papers' models (PubMedBERT for
+as shipped inside a PyPI wheel and located by `indexing.encoders.minilm_path()`, read with transformers alone. The papers' models (PubMedBERT for
 BERTScore, BioBERT-STS for CosSim in ARMed) are used by giving their local directories.
 """
 from __future__ import annotations
@@ -22,11 +22,11 @@ def _device(device: str | None) -> str:
 
 class SentenceCosine:
     """CosSim over sentence embeddings (Sentence-BERT, Reimers & Gurevych 2019): the shared encoder of
-    `actors.encoders` (mean pooling for MiniLM, L2-normalised), so a retriever and a reward in one process hold
+    `indexing.encoders` (mean pooling for MiniLM, L2-normalised), so a retriever and a reward in one process hold
     one copy of the weights."""
 
     def __init__(self, model_dir: str | None = None, batch_size: int = 64):
-        from actors.encoders import load_encoder as load_sentence_encoder
+        from indexing.encoders import load_encoder as load_sentence_encoder
         self.encoder, self.batch_size = load_sentence_encoder(model_dir or "minilm"), batch_size
 
     def encode(self, texts: list[str]) -> torch.Tensor:
@@ -74,7 +74,7 @@ def load_bertscore(model_dir: str | None = None, num_layers: int | None = None, 
                    batch_size: int = 64) -> BertScoreF1:
     """One BertScoreF1 per setting and process (model_dir None: the default). num_layers None: the model's last layer (set 9 for a 12-layer
     BERT-base such as PubMedBERT, bert-score's tuned choice for BERT-base)."""
-    from actors.encoders import minilm_path
+    from indexing.encoders import minilm_path
     return BertScoreF1(model_dir or str(minilm_path()), num_layers, baseline_path, batch_size)
 
 

@@ -45,7 +45,7 @@ log = logging.getLogger("medray.serve")
 Generate = Callable[[dict, int, list[str], int | None], Awaitable[Generation]]
 # (queries, top_k) -> hits per query, each a dict with at least "id" and "text"
 Search = Callable[[list[str], int], Awaitable[list[list[dict]]]]
-# (images, top_k) -> image-caption hits per image, each {id, image_path, caption, score} (actors.image_index)
+# (images, top_k) -> image-caption hits per image, each {id, image_path, caption, score} (indexing.image_index)
 SearchImages = Callable[[list, int], Awaitable[list[list[dict]]]]
 # receives each event of an episode as it happens: {"kind": "model" | "observation" | "cdir", "turn", "text", ...}
 Emit = Callable[[dict], None]

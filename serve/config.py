@@ -66,7 +66,7 @@ class AgentSettings(Strict):
                                                  "none: the run's tools section. With tools, actions go to the "
                                                  "tools (retrieve_knowledge searches index_dir)")
     tool_timeout_s: float = Field(60.0, gt=0, description="seconds to wait for one tool call")
-    index_dir: str | None = Field(None, description="retrieval index (python -m actors.build_index); "
+    index_dir: str | None = Field(None, description="retrieval index (python -m indexing.build_index); "
                                                     "none: the run's index")
     retrieval: dict | None = Field(None, description="actors.retriever.RetrievalConfig fields (top_k: documents per "
                                                      "query); none: the run's search settings (a BM25-only index is "
@@ -82,7 +82,7 @@ class AgentSettings(Strict):
                                                   "retrieval.paging")
     retrieval_timeout_s: float = Field(30.0, gt=0)
     image_index_dir: str | None = Field(
-        None, description="CDIR's image-caption index (python -m actors.image_index): with a multimodal checkpoint, "
+        None, description="CDIR's image-caption index (python -m indexing.image_index): with a multimodal checkpoint, "
                           "a low-confidence agent answer is retried with the case most like the request's first image")
     cdir_threshold: float = Field(THRESHOLD, ge=0, le=1, description="CDIR fires when the confidence is below this "
                                                                      "(Med-RwR's lambda)")
@@ -115,7 +115,7 @@ def agent_from_run(agent: AgentSettings, run: dict | None) -> AgentSettings:
     grammar = (run or {}).get("rollout", {}).get("grammar") if retrieval or tools else None
     index_dir = agent.index_dir
     if index_dir is None and retrieval:
-        from actors.build_index import default_index_dir
+        from indexing.build_index import default_index_dir
         index_dir = retrieval.get("index_dir") or str(default_index_dir(
             retrieval.get("kb", "hpo"), retrieval.get("index", {}).get("kind", "none"), retrieval.get("shards", 1)))
     enabled = agent.enabled if agent.enabled is not None else bool(
@@ -263,7 +263,7 @@ def is_multimodal(checkpoint: Path) -> bool:
 def check_cdir(checkpoint: Path, index_dir: str | None, image_index_dir: str) -> None:
     """CDIR runs inside agent mode on the request's image: it needs a text index, a multimodal checkpoint and an
     image index. Raises ValueError naming the field otherwise."""
-    from actors.image_index import check_image_index
+    from indexing.image_index import check_image_index
 
     if not index_dir:
         raise ValueError("agent.image_index_dir: CDIR runs in agent mode, which needs agent.index_dir as well")

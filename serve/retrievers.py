@@ -1,11 +1,11 @@
 """The retrieval deployments agent mode calls: the text index (`actors.retriever`) and CDIR's image index
-(`actors.image_index`), each a Serve deployment that scales and restarts with the app."""
+(`indexing.image_index`), each a Serve deployment that scales and restarts with the app."""
 from __future__ import annotations
 
 import ray
 from ray import serve
 
-from actors.retrieval_index import read_manifest
+from indexing.retrieval_index import read_manifest
 from actors.retriever import LocalRetriever, ShardedRetriever
 from cluster.devices import pin_threads
 
@@ -44,11 +44,11 @@ class RetrieverServer:
 @serve.deployment(name="ImageRetriever", ray_actor_options={"num_cpus": 0.25}, health_check_period_s=30,
                   max_constructor_retry_count=CONSTRUCTOR_RETRIES)
 class ImageRetrieverServer:
-    """CDIR's image-caption index (`actors.image_index`, BiomedCLIP image cosine) as a Serve deployment: the most
+    """CDIR's image-caption index (`indexing.image_index`, BiomedCLIP image cosine) as a Serve deployment: the most
     similar cases of an agent request's image."""
 
     def __init__(self, index_dir: str):
-        from actors.image_index import LocalImageRetriever  # open_clip (heavy, the vision extra) loads only for CDIR
+        from actors.image_retriever import LocalImageRetriever  # open_clip (heavy, the vision extra) loads only for CDIR
 
         pin_threads(assigned_threads())
         self.retriever = LocalImageRetriever(index_dir)

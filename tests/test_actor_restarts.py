@@ -18,8 +18,8 @@ GRAMMAR = {"action_tag": "query", "observation_tag": "retrieve", "max_turns": 1,
 
 @pytest.fixture(scope="module")
 def hpo_index():
-    from actors.build_index import default_index_dir, ensure_index
-    from actors.retrieval_index import IndexConfig
+    from indexing.build_index import default_index_dir, ensure_index
+    from indexing.retrieval_index import IndexConfig
 
     index = default_index_dir("hpo", "none", 1)
     ensure_index("hpo", index, config=IndexConfig(kind="none"))

@@ -10,14 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
-from actors.biomedclip import load_biomedclip
-from actors.image_index import (IndexMismatchError, LocalImageRetriever, build_image_index, check_image_manifest,
-                                default_corpus, read_image_manifest)
-from actors.grammar import Grammar
-from actors.image_tokens import ImageTokens
-from actors.trajectory import Trajectory
 from actors.cdir import (answer_confidence, answer_token_index, case_observation, case_text, cdir_fires,
                          final_turn_start, reanswered, token_pieces)
+from actors.grammar import Grammar
+from actors.image_retriever import LocalImageRetriever
+from actors.image_tokens import ImageTokens
+from actors.trajectory import Trajectory
+from indexing.biomedclip import load_biomedclip
+from indexing.image_index import (IndexMismatchError, build_image_index, check_image_manifest, default_corpus,
+                                  read_image_manifest)
 from rewards.query_semantic import QuerySemanticImage, image_query_cosine
 
 PUBMEDBERT = "microsoft/BiomedNLP-BiomedBERT-base-uncased-abstract"
@@ -52,7 +53,7 @@ def test_tiny_biomedclip_is_built_from_its_seed(clip):
     import open_clip
     from safetensors.torch import load_file
 
-    from actors.biomedclip import TINY_SEED, _resolved_model_cfg
+    from indexing.biomedclip import TINY_SEED, _resolved_model_cfg
 
     cfg = json.loads((clip.model_dir / "open_clip_config.json").read_text())
     torch.manual_seed(TINY_SEED)
@@ -129,7 +130,7 @@ def test_an_index_opens_with_the_encoder_it_was_built_with(clip, corpus, tmp_pat
 
 
 def test_image_retriever_actor_searches(ray_session, corpus, index):
-    from actors.image_index import ImageRetriever
+    from actors.image_retriever import ImageRetriever
     actor = ImageRetriever.options(num_cpus=0).remote(str(index))
     first = json.loads(corpus.read_text().splitlines()[0])
     try:
@@ -262,7 +263,7 @@ def test_cdir_end_to_end_on_rollout_workers(ray_session, tiny_model_path, tokeni
     """Real engine numbers: teacher-forced answers get their confidence from the engine's prompt log-probs; CDIR fires
     for those below the threshold only, retrieves the task image's own case (it is in the corpus) through the
     ImageRetriever actor, and the worker answers again after its caption."""
-    from actors.image_index import ImageRetriever
+    from actors.image_retriever import ImageRetriever
     from actors.rollout_worker import RolloutWorker
     from actors.cdir import apply_cdir
 
@@ -302,7 +303,7 @@ def test_cdir_shows_a_multimodal_policy_the_case_image(ray_session, corpus, inde
     the context (the engine's log-probs of the new answer are those of that context with that image, not with the
     image flipped), and the evaluation's samples record the case and the second answer."""
     from actors.cdir import apply_cdir
-    from actors.image_index import ImageRetriever
+    from actors.image_retriever import ImageRetriever
     from actors.rollout_worker import RolloutWorker
     from learners.evaluate import write_samples
 
@@ -355,7 +356,7 @@ def test_contrastive_training_lowers_held_out_info_nce(clip):
     is log 32 = 3.47) and an image's best caption is of its own modality far more often than under the random encoder.
     What this tiny encoder learns stops there: trained longer its loss levels off at log(32 / 3) = 2.37 (modality
     only), so the nearest corpus case is no likelier to share a test image's finding (README, CDIR on vs off)."""
-    from actors.biomedclip import BiomedCLIP, encode_pairs, info_nce, train_contrastive, training_pairs
+    from indexing.biomedclip import BiomedCLIP, encode_pairs, info_nce, train_contrastive, training_pairs
 
     images, captions = training_pairs()
     trained = BiomedCLIP(clip.model_dir, device="cpu")  # trained in place: not the shared fixture

@@ -10,7 +10,7 @@ from learners.expert import phenotypes_of, write_demonstrations
 def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_model_path, tmp_path):
     from actors.retrieval_env import retrieval_text
     from actors.retriever import LocalRetriever
-    from actors.build_index import default_index_dir
+    from indexing.build_index import default_index_dir
     from transformers import AutoTokenizer
 
     cfg = load_config("configs/tiny.yaml")
@@ -43,7 +43,7 @@ def test_linked_titles_observation_is_what_the_environment_shows(tiny_model_path
     from actors.episode import Episode
     from actors.retrieval_env import RetrievalEnvironment
     from actors.retriever import LocalRetriever
-    from actors.build_index import default_index_dir
+    from indexing.build_index import default_index_dir
     from transformers import AutoTokenizer
 
     cfg = load_config("configs/tiny.yaml", ["retrieval.show=titles", "retrieval.link_options=true"])
@@ -83,7 +83,7 @@ def test_a_rechecking_expert_reads_the_next_page_as_a_paging_rollout_would_and_a
     """sft.expert_recheck: in that share of demonstrations the expert searches its query again and reads what
     RetrievalEnvironment's paging shows (the next top_k hits, numbered on), then answers from whichever page shows the
     gold disease; a task whose gold is on neither gets no demonstration."""
-    from actors.build_index import default_index_dir
+    from indexing.build_index import default_index_dir
     from actors.episode import Episode
     from actors.retrieval_env import RetrievalEnvironment
     from actors.retriever import LocalRetriever

@@ -12,7 +12,7 @@ from pathlib import Path
 from tasks.extras import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("cluster", "actors", "learners", "recipes", "rewards", "serve", "tasks")
+PACKAGES = ("cluster", "tasks", "indexing", "actors", "learners", "recipes", "rewards", "serve")
 #: Imported but brought by the engine build, not by medray: the torchvision vLLM installs (cluster/torchvision_shim.py).
 ENGINE_DEPENDENCIES = {"torchvision"}
 #: Imported but installed without its dependencies by scripts/setup.sh, so not declared: the GA4GH phenopacket schema
@@ -101,7 +101,7 @@ def without(packages: tuple[str, ...], code: str) -> subprocess.CompletedProcess
 def test_a_missing_extra_names_itself():
     dense = without(("faiss",), """
         import numpy as np
-        from actors.retrieval_index import IndexConfig, build_dense_index
+        from indexing.retrieval_index import IndexConfig, build_dense_index
         build_dense_index(np.eye(4, dtype="float32"), IndexConfig(kind="flat"))
     """)
     assert "ImportError: faiss is not installed" in dense.stderr

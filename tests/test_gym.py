@@ -33,8 +33,8 @@ def tasks(world) -> list[dict]:
 @pytest.fixture(scope="module")
 def retriever(ray_session, tasks, tmp_path_factory):
     """A real Retriever actor on a BM25 index of a KB slice: the findings' HPO term documents and some diseases."""
-    from actors.build_index import build_index
-    from actors.retrieval_index import IndexConfig, resolve_corpus
+    from indexing.build_index import build_index
+    from indexing.retrieval_index import IndexConfig, resolve_corpus
     from actors.retriever import Retriever
 
     wanted = {t["metadata"]["kb_doc_id"] for t in tasks}

@@ -210,7 +210,7 @@ CHUNK = {"id": "d#0", "doc_id": "d", "title": "Marfan syndrome", "text": "tall s
     (json.dumps(CHUNK).encode().replace(b"tall", b"t\xe4ll"), ":2:", "not a UTF-8 JSON line"),
 ], ids=["cut-line", "null-text", "missing-doc_id", "not-an-object", "latin1"])
 def test_bad_knowledge_base_line_names_file_line_and_field_and_keeps_the_old_index(tmp_path, line, where, message):
-    from actors.build_index import build_index
+    from indexing.build_index import build_index
 
     kb = tmp_path / "kb.jsonl"
     kb.write_bytes(json.dumps(CHUNK).encode() + b"\n" + line + b"\n")
@@ -225,7 +225,7 @@ def test_bad_knowledge_base_line_names_file_line_and_field_and_keeps_the_old_ind
 
 
 def test_unreadable_index_manifest_is_named_and_ensure_index_would_rebuild(tmp_path):
-    from actors.retrieval_index import IndexMismatchError, read_manifest
+    from indexing.retrieval_index import IndexMismatchError, read_manifest
     from actors.retriever import LocalRetriever
 
     (tmp_path / "manifest.json").write_text('{"format": 1, "encoder": ')  # a copy cut short

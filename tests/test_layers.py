@@ -1,7 +1,8 @@
 """The floors hold: every project import (module level or inside a function) points down or sideways, never up, and
 no module imports itself back through another; the core names no recipe.
 
-    cluster  <-  tasks  <-  actors, rewards  <-  recipes  <-  learners, serve      (serve never imports learners)
+    cluster  <-  tasks  <-  indexing  <-  actors, rewards  <-  recipes  <-  learners, serve
+                                                                        (serve never imports learners)
 
 learners imports the plugin registry (`recipes`, the package) and nothing of a recipe: a config's `recipe:` is
 imported by name at run time.
@@ -11,14 +12,15 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = ("cluster", "tasks", "actors", "rewards", "recipes", "learners", "serve")
+FLOORS = ("cluster", "tasks", "indexing", "actors", "rewards", "recipes", "learners", "serve")
 MAY_IMPORT = {"cluster": {"cluster"},
               "tasks": {"cluster", "tasks"},
-              "actors": {"cluster", "tasks", "actors", "rewards"},
-              "rewards": {"cluster", "tasks", "actors", "rewards"},
-              "recipes": {"cluster", "tasks", "actors", "rewards", "recipes"},
-              "learners": {"cluster", "tasks", "actors", "rewards", "recipes", "learners"},
-              "serve": {"cluster", "tasks", "actors", "rewards", "serve"}}
+              "indexing": {"cluster", "tasks", "indexing"},
+              "actors": {"cluster", "tasks", "indexing", "actors", "rewards"},
+              "rewards": {"cluster", "tasks", "indexing", "actors", "rewards"},
+              "recipes": {"cluster", "tasks", "indexing", "actors", "rewards", "recipes"},
+              "learners": {"cluster", "tasks", "indexing", "actors", "rewards", "recipes", "learners"},
+              "serve": {"cluster", "tasks", "indexing", "actors", "rewards", "serve"}}
 
 
 def project_imports(path: Path) -> list[tuple[int, str]]:
@@ -80,3 +82,11 @@ def test_core_files_carry_no_recipe_names():
     found = [f"{f}:{i}: {m.group()}" for f in CORE for i, line in enumerate((ROOT / f).read_text().splitlines(), 1)
              for m in pattern.finditer(line)]
     assert found == []
+
+
+def test_actors_hold_no_builder_command_line():
+    """Index builders and their command lines live in `indexing/` (and model builds in `tasks/`): a module of
+    `actors/` is run by the roles, never as a program."""
+    programs = [str(p.relative_to(ROOT)) for p in (ROOT / "actors").rglob("*.py")
+                if "__main__" in p.read_text() or "argparse" in p.read_text()]
+    assert programs == []

@@ -17,9 +17,9 @@ import faiss
 import numpy as np
 import pytest
 
-from actors.build_index import ensure_index, read_chunks
-from actors.encoders import load_encoder
-from actors.retrieval_index import IndexConfig, IndexMismatchError, read_manifest, write_index
+from indexing.build_index import ensure_index, read_chunks
+from indexing.encoders import load_encoder
+from indexing.retrieval_index import IndexConfig, IndexMismatchError, read_manifest, write_index
 from actors.retriever import (LocalRetriever, ShardedRetriever, merge_shard_results, reciprocal_rank_fusion,
                               weighted_fusion)
 from tasks.build_hpo import ensure_hpo_world
@@ -176,7 +176,7 @@ def test_build_command_writes_a_loadable_index(subset_kb, encoder, tmp_path):
     small = tmp_path / "small.jsonl"
     small.write_text("".join(subset_kb.read_text().splitlines(keepends=True)[:24]))
     out = tmp_path / "index"
-    cmd = [sys.executable, "-m", "actors.build_index", "--kb", str(small), "--out", str(out), "--index", "hnsw",
+    cmd = [sys.executable, "-m", "indexing.build_index", "--kb", str(small), "--out", str(out), "--index", "hnsw",
            "--threads", "1", "--ef-search", "64"]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stderr

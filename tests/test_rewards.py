@@ -17,7 +17,7 @@ from rewards.formats import (is_repetitive, med_r3_format, med_rwr_format, med_r
                              medvista_format, medvista_format_ok)
 from rewards.nci import group_nci, group_spread, nci
 from rewards.registry import make_reward
-from actors.encoders import minilm_path
+from indexing.encoders import minilm_path
 from rewards.semantic import BertScoreF1, load_bertscore, load_encoder, medvr_open_score
 from rewards.text_similarity import armed_textual, bleu1, rouge1, score_against_gold, textual_correctness
 from rewards.tool_use import consensus_tool_rewards, medvista_tool, medvr_tool, rasterise, zoom_boxes

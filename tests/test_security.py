@@ -84,7 +84,7 @@ def test_model_directories_with_pickled_weights_are_refused(tiny_model_path, tmp
     import torch
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, BertConfig
 
-    from actors.encoders import Encoder
+    from indexing.encoders import Encoder
     from learners.batches import load_causal_lm
 
     policy = tmp_path / "policy"

@@ -126,7 +126,7 @@ def server(ray_session, tiny_model_path, tmp_path_factory):
     """Deploys serve.app:app (with agent mode over a tiny index) once; yields its base URL and the index dir."""
     from ray import serve
 
-    from actors.build_index import build_index
+    from indexing.build_index import build_index
     from serve.app import app
 
     work = tmp_path_factory.mktemp("serve")

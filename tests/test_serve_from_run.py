@@ -107,8 +107,8 @@ def test_served_paging_is_training_paging(tiny_model_path):
 
 @pytest.fixture(scope="module")
 def bm25_index(tmp_path_factory):
-    from actors.build_index import build_index
-    from actors.retrieval_index import IndexConfig
+    from indexing.build_index import build_index
+    from indexing.retrieval_index import IndexConfig
 
     work = tmp_path_factory.mktemp("kb")
     kb = work / "kb.jsonl"

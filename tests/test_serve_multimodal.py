@@ -87,7 +87,8 @@ def test_agent_cdir_shows_the_model_the_case_image_and_caption(vl_model_path, sc
     from actors.episode import Generation
     from actors.grammar import Grammar
     from actors.image_tokens import ImageTokens
-    from actors.image_index import LocalImageRetriever, ensure_image_index
+    from actors.image_retriever import LocalImageRetriever
+    from indexing.image_index import ensure_image_index
     from tasks.schema import chat_prompt_ids
     from actors.retrieval_env import RetrievalEnvironment
     from serve.agent import Cdir, retrieval_observer, run_agent
@@ -135,9 +136,9 @@ def vl_server(ray_session, vl_model_path, tmp_path_factory):
     """serve.app:app on the tiny VL model, agent mode over a BM25 index, CDIR over the imaging world's image index."""
     from ray import serve
 
-    from actors.build_index import build_index
-    from actors.image_index import ensure_image_index
-    from actors.retrieval_index import IndexConfig
+    from indexing.build_index import build_index
+    from indexing.image_index import ensure_image_index
+    from indexing.retrieval_index import IndexConfig
     from serve.app import app
 
     work = tmp_path_factory.mktemp("serve_vl")
@@ -221,7 +222,7 @@ def test_agent_mode_runs_cdir_on_the_request_image(vl_server, client, scan, vl_m
     request's)."""
     from transformers import AutoTokenizer
 
-    from actors.image_index import LocalImageRetriever
+    from actors.image_retriever import LocalImageRetriever
 
     tokenizer = AutoTokenizer.from_pretrained(vl_model_path)
     open_answer, close_answer = tokenizer.convert_tokens_to_ids(["<answer>", "</answer>"])

@@ -35,12 +35,12 @@ class ModelImageTool(ImageTool):
 
 @register_tool
 class BiomedCLIPLabels(ModelImageTool):
-    """Zero-shot labels from BiomedCLIP (actors.biomedclip): softmax over labels of the scaled cosine between the
+    """Zero-shot labels from BiomedCLIP (indexing.biomedclip): softmax over labels of the scaled cosine between the
     region's image embedding and "this is a photo of <label>"."""
     name = "biomedclip_labels"
     description = "Score candidate labels for the image or a box of it with BiomedCLIP zero-shot classification."
     Args = LabelArgs
-    loader = "actors.biomedclip:load_biomedclip"
+    loader = "indexing.biomedclip:load_biomedclip"
 
     def run_batch(self, calls: list[ToolCall]) -> list[ToolResult]:
         """Calls that share a label list go through one zero_shot forward together."""

@@ -234,7 +234,7 @@ def _write_shard(directory: Path, chunks: list[dict], vectors: np.ndarray | None
 
 
 def read_manifest(index_dir: str | os.PathLike, what: str = "a retrieval index",
-                  build: str = "python -m actors.build_index") -> dict:
+                  build: str = "python -m indexing.build_index") -> dict:
     """The manifest of the index in `index_dir`; a missing or unreadable one is an error saying how to `build` it."""
     path = Path(index_dir) / MANIFEST
     if not path.is_file():
@@ -257,7 +257,7 @@ def check_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_identit
     """Raise :class:`IndexMismatchError` unless the index was built in this format, by this encoder (same weights,
     pooling and length; a sparse-only index has none to compare; None: not compared, no encoder is loaded yet) and,
     when ``corpus_sha256`` is given, from that corpus."""
-    rebuild = f"rebuild it with: python -m actors.build_index --out {index_dir} --kb <corpus> --encoder <encoder>"
+    rebuild = f"rebuild it with: python -m indexing.build_index --out {index_dir} --kb <corpus> --encoder <encoder>"
     if manifest.get("format") != INDEX_FORMAT:
         raise IndexMismatchError(f"index {index_dir} has format {manifest.get('format')}, this medray reads "
                                  f"{INDEX_FORMAT}; {rebuild}")

@@ -1,7 +1,7 @@
 """The image index for CDIR (Med-RwR sec. 3.3, appendix D.2.2): BiomedCLIP embeddings of an image-caption corpus in an
-exact FAISS inner-product index, and an :class:`ImageRetriever` Ray actor that returns the most similar cases.
+exact FAISS inner-product index, built and checked here; `actors.image_retriever` searches it.
 
-    python -m actors.image_index [--corpus cdir_corpus.jsonl] --out DIR [--clip BIOMEDCLIP_DIR] [--batch-size 32]
+    python -m indexing.image_index [--corpus cdir_corpus.jsonl] --out DIR [--clip BIOMEDCLIP_DIR] [--batch-size 32]
 
 The corpus is a JSONL of ``{id, image, caption}`` records, ``image`` a path relative to the corpus file's directory
 (the imaging world's ``cdir_corpus.jsonl``, the default, built on first use by :mod:`tasks.build_imaging`). The
@@ -25,9 +25,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import ray
 
-from actors.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index, read_manifest
+from indexing.retrieval_index import DocStore, IndexConfig, IndexMismatchError, build_dense_index, read_manifest
 from tasks.extras import require
 from cluster.files import building_dir, cache_dir, file_lock
 from tasks.image_corpus import default_corpus, read_image_corpus
@@ -68,7 +67,7 @@ def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | No
     write the index; returns its manifest. Written to a temporary sibling and renamed: never found half-written."""
     faiss = require("faiss", "medical")
 
-    from actors.biomedclip import load_biomedclip
+    from indexing.biomedclip import load_biomedclip
 
     corpus = Path(corpus) if corpus is not None else default_corpus()
     rows = read_image_corpus(corpus)
@@ -93,7 +92,7 @@ def build_image_index(out_dir: str | os.PathLike, corpus: str | os.PathLike | No
 
 def read_image_manifest(index_dir: str | os.PathLike) -> dict:
     path = Path(index_dir) / MANIFEST
-    manifest = read_manifest(index_dir, "an image index", f"python -m actors.image_index --out {index_dir}")
+    manifest = read_manifest(index_dir, "an image index", f"python -m indexing.image_index --out {index_dir}")
     if manifest.get("kind") != "image":
         raise IndexMismatchError(f"{path}: field 'kind' is {manifest.get('kind')!r}, not 'image' (a text retrieval "
                                  f"index? those are searched by actors.retriever)")
@@ -105,7 +104,7 @@ def check_image_manifest(manifest: dict, index_dir: str | os.PathLike, encoder_i
     """Raise :class:`IndexMismatchError` unless the index has this format, was embedded by the BiomedCLIP weights
     ``encoder_identity`` names (None: not compared, no encoder is loaded yet) and, when ``corpus_checksum`` is given,
     from that corpus (captions and images)."""
-    rebuild = f"rebuild it with: python -m actors.image_index --out {index_dir} [--corpus ...] [--clip ...]"
+    rebuild = f"rebuild it with: python -m indexing.image_index --out {index_dir} [--corpus ...] [--clip ...]"
     if manifest.get("format") != IMAGE_INDEX_FORMAT:
         raise IndexMismatchError(f"image index {index_dir} has format {manifest.get('format')}, this medray reads "
                                  f"{IMAGE_INDEX_FORMAT}; {rebuild}")
@@ -127,7 +126,7 @@ def check_image_index(index_dir: str | os.PathLike) -> None:
     missing = [name for name in ("docs.jsonl", "offsets.npy", "images.faiss") if not (Path(index_dir) / name).exists()]
     if missing:
         raise FileNotFoundError(f"image index {index_dir} has no {', '.join(missing)}; rebuild it with python -m "
-                                f"actors.image_index --out {index_dir}")
+                                f"indexing.image_index --out {index_dir}")
     encoder = manifest["encoder"]["path"]
     if not Path(encoder).is_dir():
         raise FileNotFoundError(f"image index {index_dir} was embedded with BiomedCLIP {encoder}, which is not a "
@@ -143,7 +142,7 @@ def ensure_image_index(out_dir: str | os.PathLike | None = None, corpus: str | o
                        progress: bool = False) -> Path:
     """The image index directory (default: under medray's cache, one per encoder), (re)built first unless its
     manifest matches this encoder and this corpus. Safe to call from several processes at once (a file lock)."""
-    from actors.biomedclip import load_biomedclip
+    from indexing.biomedclip import load_biomedclip
 
     model = model or load_biomedclip(clip_path)
     corpus = Path(corpus) if corpus is not None else default_corpus()
@@ -157,75 +156,14 @@ def ensure_image_index(out_dir: str | os.PathLike | None = None, corpus: str | o
     return out
 
 
-class LocalImageRetriever:
-    """Nearest corpus cases of query images, in this process: exact cosine over BiomedCLIP image embeddings.
-
-    ``model`` is a loaded BiomedCLIP, else one is loaded from ``clip_path`` or from the directory the manifest records
-    (None: the tiny one); ``corpus``, when given, must be the corpus the index was built from. Either mismatch raises
-    :class:`IndexMismatchError`.
-    """
-
-    def __init__(self, index_dir: str | os.PathLike, model=None, clip_path: str | None = None,
-                 corpus: str | os.PathLike | None = None):
-        faiss = require("faiss", "medical")
-
-        from actors.biomedclip import load_biomedclip
-
-        self.index_dir = Path(index_dir)
-        self.manifest = read_image_manifest(self.index_dir)
-        self.model = model or load_biomedclip(clip_path or self.manifest["encoder"]["path"])
-        check_image_manifest(self.manifest, self.index_dir, self.model.identity,
-                             corpus_sha256(corpus) if corpus is not None else None)
-        self.docs = DocStore(self.index_dir)
-        self.index = faiss.read_index(str(self.index_dir / "images.faiss"))
-        self.images_served = 0
-
-    def search(self, images: list, top_k: int = 1) -> list[list[dict]]:
-        """For each query image (PIL image or path), the ``top_k`` most similar corpus cases, best first:
-        ``{id, image_path, caption, score}`` (score = cosine); ties at equal score ordered by id."""
-        if not images:
-            return []
-        k = min(top_k, len(self.docs))
-        scores, rows = self.index.search(self.model.embed_images(load_images(images)), k)
-        self.images_served += len(images)
-        results = []
-        for row_ids, row_scores in zip(rows, scores):
-            hits = []
-            for row, score in zip(row_ids, row_scores):
-                if row >= 0:
-                    doc = self.docs[int(row)]
-                    hits.append({"id": doc["id"], "image_path": doc["image_path"], "caption": doc["caption"],
-                                 "score": float(score)})
-            results.append(sorted(hits, key=lambda h: (-h["score"], h["id"])))
-        return results
-
-    def stats(self) -> dict:
-        return {"images": len(self.docs), "queries": self.images_served, "encoder": self.model.identity}
-
-
-@ray.remote(max_restarts=3, max_task_retries=2)
-class ImageRetriever(LocalImageRetriever):
-    """:class:`LocalImageRetriever` as a Ray actor with its own thread budget; a search is read-only, so Ray may retry
-    it on the restarted actor after a crash."""
-
-    def __init__(self, index_dir: str, *, threads: int = 1, **kwargs):
-        faiss = require("faiss", "medical")
-
-        from cluster.devices import pin_threads
-
-        pin_threads(threads)
-        faiss.omp_set_num_threads(threads)
-        super().__init__(index_dir, **kwargs)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m actors.image_index", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m indexing.image_index", description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=None, help="image-caption JSONL (default: the imaging world's)")
     parser.add_argument("--out", type=Path, default=None, help="index directory (default: under medray's cache)")
     parser.add_argument("--clip", default=None, help="local BiomedCLIP open_clip directory (default: the tiny one)")
     parser.add_argument("--batch-size", type=int, default=32)
     args = parser.parse_args(argv)
-    from actors.biomedclip import load_biomedclip
+    from indexing.biomedclip import load_biomedclip
 
     model = load_biomedclip(args.clip)
     out = args.out or default_index_dir(model.identity)

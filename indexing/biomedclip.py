@@ -20,7 +20,7 @@ and an MLP projection for text, cosine similarity scaled by a learned temperatur
   own cache key in the same layout, for ``load_biomedclip(dir)`` / ``--clip dir``. It tells the modalities apart and
   nothing finer, so it does not help CDIR find a case with the same finding (docs/BENCHMARKS.md, *CDIR on vs off*)::
 
-      python -m actors.biomedclip --steps 600 [--seed 0] [--threads 2]     # prints the directory
+      python -m indexing.biomedclip --steps 600 [--seed 0] [--threads 2]     # prints the directory
 """
 from __future__ import annotations
 
@@ -372,7 +372,7 @@ def ensure_contrastive_biomedclip(steps: int, seed: int = TINY_SEED) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m actors.biomedclip",
+    parser = argparse.ArgumentParser(prog="python -m indexing.biomedclip",
                                      description="Train the tiny BiomedCLIP contrastively on the imaging world's "
                                                  "training images and captions; prints the model directory")
     parser.add_argument("--steps", type=int, required=True)

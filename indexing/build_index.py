@@ -1,6 +1,6 @@
 """Build a retrieval index from a knowledge base: encode its chunks in batches, then write FAISS + BM25 + documents.
 
-    python -m actors.build_index --kb hpo --out DIR [--encoder minilm|MODEL_DIR] [--index flat|hnsw|ivfpq]
+    python -m indexing.build_index --kb hpo --out DIR [--encoder minilm|MODEL_DIR] [--index flat|hnsw|ivfpq]
                                  [--shards N] [--batch-size 64] [--threads N] [--hnsw-m 32 --nprobe 32 ...]
 
 ``--kb`` is a chunks JSONL (fields id, doc_id, title, text, source) or ``hpo`` for the HPO world's knowledge base.
@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from actors.encoders import Encoder, load_encoder
-from actors.retrieval_index import (IndexConfig, IndexMismatchError, check_manifest, read_manifest, resolve_corpus,
+from indexing.encoders import Encoder, load_encoder
+from indexing.retrieval_index import (IndexConfig, IndexMismatchError, check_manifest, read_manifest, resolve_corpus,
                                     write_index)
 from tasks.extras import require
 from cluster.files import cache_dir, file_lock, sha256_file
@@ -110,7 +110,7 @@ def _torch_threads() -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m actors.build_index", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m indexing.build_index", description=__doc__.split("\n\n")[0])
     parser.add_argument("--kb", required=True, help="chunks JSONL, or 'hpo' for the HPO world's knowledge base")
     parser.add_argument("--out", required=True, type=Path, help="index directory (replaced if it exists)")
     parser.add_argument("--encoder", default="minilm", help="local HF / sentence-transformers model dir, or 'minilm'")
