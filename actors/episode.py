@@ -64,6 +64,16 @@ class Generation:
         return cls(seq.text, ids, [lp[t].logprob for lp, t in zip(seq.logprobs, ids)], seq.finish_reason,
                    seq.stop_reason, entropies)
 
+    def cut_at_image_token(self, vision: ImageTokens | None) -> bool:
+        """A multimodal policy's generation that ended on a token only images may bring loses that token (a stray pad
+        would make the learner's forward look for image features that do not exist); True if it did. The text is
+        not touched: the caller decides what it shows."""
+        if not (vision and self.ids and self.ids[-1] in vision.special_ids):
+            return False
+        self.ids, self.logprobs = self.ids[:-1], self.logprobs[:-1]
+        self.entropies = self.entropies and self.entropies[:-1]
+        return True
+
 
 @dataclass
 class Episode:
@@ -91,11 +101,8 @@ class Episode:
         return None if self.seed is None else turn_seed(self.seed, len(self.turns))
 
     def engine_prompt(self, vision: ImageTokens | None) -> dict:
-        """vLLM's token prompt of the episode so far: each image's run of pads collapsed to one, the images beside."""
-        ids = self.prompt_ids + self.response_ids
-        if not self.images:
-            return {"prompt_token_ids": ids}
-        return {"prompt_token_ids": vision.collapse(ids), "multi_modal_data": {"image": self.images}}
+        """vLLM's token prompt of the episode so far (:func:`engine_prompt`)."""
+        return engine_prompt(self.prompt_ids + self.response_ids, self.images, vision)
 
     def generated(self, grammar: Grammar, generation: Generation, segment: str | None = None,
                   vision: ImageTokens | None = None) -> str | None:
@@ -104,12 +111,11 @@ class Episode:
         "length"), "turn_limit" or "budget" (an action past the grammar's limits), "vision_token" (a token only images
         may bring, dropped: it would be a fake image). `segment`: the text the action is read from (default the
         generation's; serving passes a continued assistant message's text before it)."""
-        ids, logprobs, entropies = generation.ids, generation.logprobs, generation.entropies
-        if vision and ids and ids[-1] in vision.special_ids:
-            self.extend(ids[:-1], logprobs[:-1], by_policy=True, entropies=entropies and entropies[:-1])
+        cut = generation.cut_at_image_token(vision)
+        self.extend(generation.ids, generation.logprobs, by_policy=True, entropies=generation.entropies)
+        if cut:
             self.finish_reason = "vision_token"
             return None
-        self.extend(ids, logprobs, by_policy=True, entropies=entropies)
         asked = grammar.action_tag is not None and generation.finish_reason == "stop" \
             and generation.stop_reason == grammar.action_close
         if not asked:
@@ -167,6 +173,14 @@ class Episode:
                           text=tokenizer.decode(self.response_ids, skip_special_tokens=False),
                           finish_reason=self.finish_reason, weight_version=version, turns=self.turns,
                           images=self.images, image_grids=self.image_grids, branch=self.branch)
+
+
+def engine_prompt(ids: list[int], images: list, vision: ImageTokens | None) -> dict:
+    """vLLM's token prompt of `ids` that hold each of `images` as its full run of pads: each run collapsed to one pad
+    (vLLM expands it itself), the images beside."""
+    if not images:
+        return {"prompt_token_ids": ids}
+    return {"prompt_token_ids": vision.collapse(ids), "multi_modal_data": {"image": images}}
 
 
 def rgb_array(image) -> np.ndarray:

@@ -71,7 +71,7 @@ class ImageTokens:
         tok = processor.tokenizer
         self.pad_id, self.start_id, self.end_id = (tok.convert_tokens_to_ids(t)
                                                    for t in (layout.pad, layout.start, layout.end))
-        # Tokens only images may bring: a policy that writes one ends its turn there (see EpisodeRunner), since a
+        # Tokens only images may bring: a policy that writes one ends its turn there (Episode.generated), since a
         # stray pad in the ids would make the learner's forward look for image features that do not exist.
         self.special_ids = [self.pad_id, self.start_id, self.end_id] + \
             [tok.convert_tokens_to_ids(t) for t in layout.media_only]

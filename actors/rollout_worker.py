@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import ray
 
 from actors.environment import Environment, EpisodeRunner
-from actors.episode import Episode, derive_seed, rgb_array
+from actors.episode import Episode, Generation, derive_seed, engine_prompt, rgb_array
 from actors.grammar import Grammar
 from actors.hooks import RolloutBatch, RolloutHook
 from actors.image_tokens import ImageTokens
@@ -94,7 +94,7 @@ class RolloutWorker:
         """One sample per prompt, each with its own seed (so results do not depend on batching or on which
         worker runs them). Returns token ids, their log-probabilities and the finish reason per sample. `images[i]`:
         the images of prompt i, whose ids hold their full pad runs (as a trajectory's do). A multimodal policy stops
-        at an image token, which is dropped (finish reason "vision_token"), as in an episode (EpisodeRunner)."""
+        at an image token, which is dropped (finish reason "vision_token"), as in an episode."""
         from vllm import SamplingParams
 
         if self.vision:
@@ -105,23 +105,21 @@ class RolloutWorker:
         outputs = self.llm.generate(self.engine_prompts(prompt_ids, images), params, use_tqdm=False)
         results = []
         for out in outputs:
-            seq = out.outputs[0]
-            ids = list(seq.token_ids)
-            logprobs = [lp[t].logprob for lp, t in zip(seq.logprobs, ids)]
-            if self.vision and ids and ids[-1] in self.vision.special_ids:
-                results.append({"ids": ids[:-1], "logprobs": logprobs[:-1], "finish_reason": "vision_token",
-                                "text": self.tokenizer.decode(ids[:-1], skip_special_tokens=False)})
+            generation = Generation.from_vllm(out.outputs[0])
+            if generation.cut_at_image_token(self.vision):
+                results.append({"ids": generation.ids, "logprobs": generation.logprobs, "finish_reason": "vision_token",
+                                "text": self.tokenizer.decode(generation.ids, skip_special_tokens=False)})
                 continue
-            results.append({"ids": ids, "logprobs": logprobs, "text": seq.text,
-                            "finish_reason": seq.finish_reason or "length"})
+            results.append({"ids": generation.ids, "logprobs": generation.logprobs, "text": generation.text,
+                            "finish_reason": generation.finish_reason or "length"})
         return results
 
     def engine_prompts(self, sequences: list[list[int]], images: list[list] | None) -> list:
-        """vLLM's prompts: `sequences[i]` as is, or with `images[i]`, each image's pad run collapsed to one pad."""
+        """vLLM's prompts of `sequences[i]` with `images[i]` (:func:`actors.episode.engine_prompt`)."""
         from vllm import TokensPrompt
 
-        return [TokensPrompt(prompt_token_ids=self.vision.collapse(s), multi_modal_data={"image": im}) if im
-                else TokensPrompt(prompt_token_ids=s) for s, im in zip(sequences, images or [None] * len(sequences))]
+        return [TokensPrompt(**engine_prompt(s, im or [], self.vision))
+                for s, im in zip(sequences, images or [None] * len(sequences))]
 
     def rollout(self, tasks: list[dict], groups: list[int], group_size: int, sampling: dict,
                 seed: int, grammar: dict | None = None,

@@ -70,3 +70,14 @@ def test_images_from_the_environment_need_a_model_that_sees(tokenizer):
     ep = Episode(task={"id": "scan-3"}, group=0, seed=0, prompt_ids=[1])
     with pytest.raises(ValueError, match="1 images for task 'scan-3', but the policy model is text-only"):
         ep.observed(Grammar(), Observation("zoomed", images=[np.zeros((8, 8, 3), np.uint8)]), tokenizer, None)
+
+
+def test_a_token_only_images_bring_ends_the_turn_and_is_dropped():
+    from types import SimpleNamespace
+
+    vision = SimpleNamespace(special_ids=[99])  # what Episode reads of a policy's ImageTokens here
+    ep = Episode(task={}, group=0, seed=0, prompt_ids=[1])
+    stray = Generation("look <|image_pad|>", [5, 6, 99], [-0.1, -0.2, -0.3], "stop", 99)
+    assert ep.generated(Grammar(action_tag="query"), stray, vision=vision) is None
+    assert ep.finish_reason == "vision_token" and ep.response_ids == [5, 6] and ep.logprobs == [-0.1, -0.2]
+    assert ep.engine_prompt(None) == {"prompt_token_ids": [1, 5, 6]}
