@@ -166,5 +166,16 @@ def resume_point(root: Path, storage: Storage | None) -> tuple[Path | None, str 
     return (found[1], found[0]) if found else (None, None)
 
 
+def refuse_other_learner(checkpoint: Path, lora: bool) -> None:
+    """A LoRA run's checkpoint (it holds `adapter/`) resumes only with `learner.lora` set, a full fine-tuning run's
+    only without: raise naming both."""
+    written = (checkpoint / "adapter").is_dir()
+    if written != lora:
+        wrote = "a LoRA run" if written else "a full fine-tuning run"
+        trains = "LoRA adapters (learner.lora is set)" if lora else "every weight (learner.lora is null)"
+        raise ValueError(f"checkpoint {checkpoint} was written by {wrote}, but the config trains {trains}: resume it "
+                         f"with the learner that wrote it")
+
+
 def read_state(path: Path) -> dict:
     return json.loads((path / STATE).read_text())

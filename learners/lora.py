@@ -13,10 +13,22 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 ADAPTER = "default"  # PEFT's name for a model's only adapter
 
 
+def check_targets(model, target_modules: list[str]) -> None:
+    """Refuse `target_modules` that name no linear layer of `model` (PEFT matches them by the layer's last name),
+    naming the field and the choices."""
+    linear = sorted({name.rpartition(".")[2] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+    missing = [t for t in target_modules if t not in linear]
+    if missing:
+        raise ValueError(f"learner.lora.target_modules: {missing} name no linear layer of the model; choose among "
+                         f"{linear}")
+
+
 def with_adapters(model, rank: int, alpha: float, dropout: float, target_modules: list[str]):
     """`model` (a Hugging Face policy) with LoRA adapters on its `target_modules`, only those trainable: B starts at
     0, so the merged weights start equal to the model's own."""
     from peft import LoraConfig, get_peft_model
+
+    check_targets(model, target_modules)
 
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         bias="none")

@@ -19,6 +19,7 @@ from pathlib import Path
 from cluster.devices import resolve_compute_dtype
 from learners.batches import LOGIT_CHUNK
 from learners.config import RunConfig
+from learners.lora import check_targets
 from tasks.model_aliases import resolve_model
 
 log = logging.getLogger("medray.memory")
@@ -72,7 +73,9 @@ def trainable_params(cfg: RunConfig, params: int, model_config) -> int:
         return params
     if model_config is None:  # no shapes: LoRA's adapters are ~1% of a model at the usual ranks
         return params // 100
-    return sum(lora.rank * (m.in_features + m.out_features) for name, m in meta_model(model_config).named_modules()
+    model = meta_model(model_config)
+    check_targets(model, lora.target_modules)
+    return sum(lora.rank * (m.in_features + m.out_features) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and name.rpartition(".")[2] in lora.target_modules)
 
 

@@ -319,6 +319,7 @@ class Trainer(Stages, Recovery):
                 log.warning("resume=true but no valid checkpoint under %s; starting from step 0",
                             self.storage.uri("checkpoints") if self.storage else self.ckpt_root)
             else:
+                ckpt.refuse_other_learner(resume_from, lora=cfg.learner.lora is not None)
                 self.step = ckpt.read_state(resume_from)["step"]
         self.base_model = policy_dir(cfg.model)
         # on storage, every rollout worker reads the checkpoint from there (output_dir may be the driver's disk only)

@@ -56,6 +56,33 @@ def test_lora_with_zero3_is_refused_naming_the_field():
         load_config("configs/tiny.yaml", ["learner.lora.rank=8", "learner.zero_stage=3"])
 
 
+def test_a_target_module_the_model_lacks_is_refused_naming_the_choices(tiny_model_path):
+    from transformers import AutoConfig
+
+    from learners.memory_plan import meta_model, trainable_params
+
+    cfg = load_config("configs/tiny.yaml", ["learner.lora.rank=8", "learner.lora.target_modules=[q_proj,qkv]"])
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    refused = r"learner.lora.target_modules: \['qkv'\] name no linear layer of the model; choose among \[.*'q_proj'"
+    with pytest.raises(ValueError, match=refused):  # the dry run and the check before Ray starts
+        trainable_params(cfg, 0, config)
+    with pytest.raises(ValueError, match=refused):  # the learner itself
+        lora.with_adapters(meta_model(config), rank=8, alpha=16, dropout=0.0, target_modules=["q_proj", "qkv"])
+
+
+def test_a_checkpoint_resumes_only_with_the_learner_that_wrote_it(tmp_path):
+    from learners.checkpoint import refuse_other_learner
+
+    (tmp_path / "lora" / "adapter").mkdir(parents=True)
+    (tmp_path / "full").mkdir()
+    refuse_other_learner(tmp_path / "lora", lora=True)
+    refuse_other_learner(tmp_path / "full", lora=False)
+    with pytest.raises(ValueError, match="written by a LoRA run, but the config trains every weight"):
+        refuse_other_learner(tmp_path / "lora", lora=False)
+    with pytest.raises(ValueError, match="written by a full fine-tuning run, but the config trains LoRA adapters"):
+        refuse_other_learner(tmp_path / "full", lora=True)
+
+
 @pytest.mark.slow
 def test_a_lora_run_trains_adapters_syncs_them_and_checkpoints_adapter_and_merged_model(ray_session, tiny_model_path,
                                                                                       tmp_path):
