@@ -24,7 +24,9 @@ caches); the last step also runs the fidelity check (engine vs learner log-proba
 beside the variant's tolerance; startup_s is the set-up before step 1 (Ray, actors, models loaded), by phase in the
 JSON. Memory: the peak resident size of a learner rank, the rollout worker and the reward actor over the whole run,
 sampled from /proc every 0.5 s by actor name (so code without `memory/*` metrics is measured the same way), beside
-the largest per-step peak the run itself logged (`memory/learner_peak_gb`); mismatch: the engine-vs-learner KL per
+the largest per-step peak the run itself logged (`memory/learner_peak_gb`) and what a rank held between steps
+(`memory/learner_resident_gb`, its tensors' share `memory/learner_tensors_gb`, the process before any weights
+`memory/learner_process_gb`); mismatch: the engine-vs-learner KL per
 token and the largest ratio (`mismatch/*`) where logged.
 With --probe, the learner's tokens per second a rank (first variant) beside a plain-torch forward and backward of the
 same model on one thread, the gap between them named. Targets: a 32-sample step <= 45 s with sync <= 3% of it, a
@@ -130,7 +132,9 @@ def main() -> None:
         timed = history[1:]
         mean = {k: statistics.mean(r[k] for r in timed) for k in ("step_s", "generate_s", "train_s", "sync_s",
                                                                   "sync_mb")}
-        logged = {k: max(r[k] for r in history) for k in ("memory/learner_peak_gb", "mismatch/max_ratio")
+        logged = {k: max(r[k] for r in history) for k in ("memory/learner_peak_gb", "memory/learner_resident_gb",
+                                                          "memory/learner_tensors_gb", "memory/learner_process_gb",
+                                                          "mismatch/max_ratio")
                   if k in history[0]}
         rows.append({"variant": variant, "samples": 32, **mean, "sync_share": mean["sync_s"] / mean["step_s"],
                      "response_tokens": statistics.mean(r["response_length"] for r in timed),

@@ -56,6 +56,39 @@ def release_freed_memory() -> None:
         mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))  # 4096: MALLCTL_ARENAS_ALL
 
 
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS, Linux; else its peak so far), in GB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def tensors_gb() -> float:
+    """What the CPU tensors alive in this process's Python objects hold, each distinct storage once, in GB: beside
+    the resident size it separates tensors from the libraries and the allocator's kept pages."""
+    import gc
+    import warnings
+
+    import torch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on torch's deprecated aliases warns
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and obj.device.type == "cpu"]
+    seen, total = set(), 0
+    for tensor in tensors:
+        if tensor.is_sparse:  # no single storage; the learner holds none
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total / 1e9
+
+
 def reset_peak_memory() -> None:
     """Start a new peak for :func:`peak_memory_gb`: the kernel's resident high-water mark of this process
     (/proc/self/clear_refs, Linux) and, with a GPU, torch's peak of allocated GPU memory."""

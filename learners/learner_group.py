@@ -97,7 +97,8 @@ class LearnerGroup:
                         "mismatch/max_ratio": max(p["mismatch_max_ratio"] for p in per_rank),
                         "mismatch/corrected_fraction": summed["mismatch_corrected_sum"] / summed["mismatch_tokens"]}
         seconds = max(p["seconds"] for p in per_rank)
-        return {**summed, **mismatch, **peak_memory("learner", [p["peak_memory_gb"] for p in per_rank]),
+        held = {f"memory/learner_{k}": max(p["held_gb"][k] for p in per_rank) for k in per_rank[0]["held_gb"]}
+        return {**summed, **mismatch, **peak_memory("learner", [p["peak_memory_gb"] for p in per_rank]), **held,
                 "learner_tokens": tokens, "learner_tokens_per_s": tokens / seconds,
                 "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
                 "optimizer_steps": per_rank[0]["optimizer_steps"], "seconds": seconds}

@@ -12,7 +12,7 @@ import torch
 
 from actors.image_tokens import ImageTokens
 from cluster.devices import (accelerator, fast_bfloat16, init_deepspeed_distributed, peak_memory_gb, pin_threads,
-                             release_freed_memory, reset_peak_memory, resolve_compute_dtype)
+                             release_freed_memory, reset_peak_memory, resident_gb, resolve_compute_dtype, tensors_gb)
 from cluster.storage import Storage, split_checkpoint_uri, upload_share
 from learners import algorithm as algo
 from learners.batches import (deal_micro_batches, forward_logp, image_inputs, load_causal_lm, lr_lambda, micro_batch,
@@ -52,6 +52,8 @@ class LearnerWorker:
         if self.compute_dtype == torch.bfloat16 and not fast_bfloat16(self.device):
             log.warning("learner.compute_dtype=bfloat16 on a %s without native bfloat16 (no AVX512-BF16/AMX): its "
                         "matmuls are emulated and far slower than float32", self.device)
+        import transformers  # noqa: F401  the libraries a rank holds before any weights: `memory/learner_process_gb`
+        self.process_gb = resident_gb()
         model = load_causal_lm(model_path, dtype)
         if learner["gradient_checkpointing"]:
             # non-reentrant: with LoRA the checkpointed layers' inputs need no gradient, and reentrant
@@ -101,8 +103,10 @@ class LearnerWorker:
         """`updates_per_batch` passes over the batch, one optimizer step per mini-batch (the whole batch when
         `mini_batch_size` is None), with the GRPO objective (rollouts and their advantages) or the SFT one
         (demonstrations); each rank trains on its share of every mini-batch (`deal_micro_batches`). Returns sums
-        for exact aggregation, and this rank's peak memory."""
+        for exact aggregation, this rank's peak memory, and what it held as the call began: its resident size, its
+        tensors' and its process's before the model was loaded (`held_gb`)."""
         start = time.perf_counter()
+        held = {"resident_gb": resident_gb(), "tensors_gb": tensors_gb(), "process_gb": self.process_gb}
         reset_peak_memory()
         trajs = [t for chunk in ray.get(trajectory_refs) for t in chunk]
         self._set_lr(lr)
@@ -154,6 +158,7 @@ class LearnerWorker:
         stats["grad_norm"] /= stats["optimizer_steps"]  # the mean over this batch's optimizer steps
         stats["lr"] = self.engine.get_lr()[0]
         stats["peak_memory_gb"] = peak_memory_gb()
+        stats["held_gb"] = held  # between steps, before this one
         release_freed_memory()  # the batch's activations, reused across its micro-batches, go back to the kernel
         stats["seconds"] = time.perf_counter() - start
         return stats

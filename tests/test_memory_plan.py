@@ -97,3 +97,15 @@ def test_the_memory_watch_warns_once_near_the_threshold(monkeypatch, caplog):
     watch(record)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "92% used" in warnings[0] and "largest role is learner at 9.0 GB" in warnings[0]
+
+
+def test_a_process_tensors_count_each_storage_once():
+    import torch
+
+    from cluster.devices import resident_gb, tensors_gb
+
+    before = tensors_gb()
+    weights = torch.ones(25_000_000)  # 100 MB, and a view of it that holds no memory of its own
+    view = weights[:10]
+    assert tensors_gb() - before == pytest.approx(0.1, abs=0.005) and view.sum() == 10
+    assert resident_gb() > tensors_gb()
