@@ -10,7 +10,9 @@ from pathlib import Path
 from PIL import Image
 
 from tasks.imaging.cases import CaseSpec, LesionSpec, render_case
-from tasks.imaging.world import Finding, FINDINGS, FINDINGS_BY_KEY, IMAGE_SIZE, INPUT_SIZE, LETTERS, MODALITIES
+from tasks.hpo import Term
+from tasks.imaging.world import (Finding, FINDINGS, FINDINGS_BY_KEY, IMAGE_SIZE, INPUT_SIZE, LETTERS, MODALITIES,
+                                 Modality)
 from tasks.schema import Message, option_listing, Task
 
 
@@ -41,6 +43,22 @@ class CaseResult:
     spec: CaseSpec
     image: str
     lesions: list[dict]
+
+
+@dataclass
+class CaseQuestion:
+    """What every question about a case shares: its lesion's finding, HPO term and modality, the metadata, where the
+    lesion is, the question's first sentence and the task fields (images, gold boxes)."""
+    split: str
+    index: int
+    case: CaseResult
+    finding: Finding
+    term: Term
+    modality: Modality
+    meta: dict
+    where: str
+    intro: str
+    common: dict
 
 
 class ImagingTaskBuilder:
@@ -132,103 +150,110 @@ class ImagingTaskBuilder:
     def tasks(self, split: str, cases: list[CaseResult]) -> dict[str, list[Task]]:
         """The three question types for the cases of a split (condition questions only where a disease exists)."""
         from tasks.hpo_tasks import _balanced
-        from tasks.knowledge_base import name_variants
 
         rng = random.Random(f"{self.seed}:imaging:questions:{split}")
         with_condition = [i for i, c in enumerate(cases) if self._split_diseases(c.lesions[0]["finding"], split)]
-        letters = {"finding_mcq": _balanced(LETTERS, len(cases), rng)}
+        letters = _balanced(LETTERS, len(cases), rng)
         condition_letters = dict(zip(with_condition, _balanced(LETTERS, len(with_condition), rng)))
         answer_pools: dict[str, list[str]] = {}
         out: dict[str, list[Task]] = {q: [] for q in QUESTION_TYPES}
         for i, case in enumerate(cases):
-            target = case.lesions[0]
-            finding = FINDINGS_BY_KEY[target["finding"]]
-            term = self.terms[finding.key]
-            modality = MODALITIES[case.spec.modality]
-            base_meta = {
-                "split": split,
-                "case_id": f"{split}-{case.spec.index:05d}",
-                "modality": modality.key,
-                "finding": finding.key,
-                "hpo_id": term.id,
-                "hpo_name": term.name,
-                "kb_doc_id": f"term:{term.id}",
-                "size_stratum": target["stratum"],
-                "needs_zoom": target["stratum"] == "small",
-                "region": target["region"],
-                "image_size": IMAGE_SIZE,
-                "input_size": INPUT_SIZE,
-                "lesions": case.lesions,
-                "case": case.spec.to_json(),
-            }
-            where = f"the {target['region']} of the image"
-            intro = f"This is a {modality.label}."
-            common = {"images": [case.image], "gold_boxes": [[float(v) for v in target["box"]]]}
-
-            # finding, multiple choice: the image's other findings are the first distractors
-            present = [les["finding"] for les in case.lesions[1:]]
-            rest = [f.key for f in FINDINGS
-                    if f.modality == modality.key and f.key != finding.key and f.key not in present]
-            distractors = (present + rng.sample(rest, len(rest)))[: len(LETTERS) - 1]
-            rng.shuffle(distractors)  # which letters the distractors take says nothing about them
-            options = self._options(letters["finding_mcq"][i], term.name, [self.terms[k].name for k in distractors])
-            out["finding_mcq"].append(
-                Task(
-                    id=f"imaging-finding-mcq-{split}-{i:06d}",
-                    messages=[
-                        system_message("letter"),
-                        Message(role="user",
-                                content=f"{intro} What finding is present in {where}?\n{option_listing(options)}"),
-                    ],
-                    answer=letters["finding_mcq"][i],
-                    options=options,
-                    references=[term.name],
-                    metadata={"task": "imaging_finding_mcq", **base_meta,
-                              "distractor_hpo_ids": [self.terms[k].id for k in distractors]},
-                    **common,
-                )
-            )
-            references = [term.name] + [s for s in term.synonyms if s.lower() != term.name.lower()]
-            out["finding_open"].append(
-                Task(
-                    id=f"imaging-finding-open-{split}-{i:06d}",
-                    messages=[
-                        system_message("finding"),
-                        Message(role="user", content=f"{intro} What finding is present in {where}? "
-                                                     "Answer with the name of the finding."),
-                    ],
-                    answer=term.name,
-                    options=None,
-                    references=references,
-                    metadata={"task": "imaging_finding_open", **base_meta},
-                    **common,
-                )
-            )
-            disease_id = self._next_answer(finding.key, split, answer_pools, rng)
-            if disease_id is None:
-                continue
-            distractor_ids = self._condition_distractors(finding, split, rng)
-            disease = self.snapshot.diseases[disease_id]
-            names = [self.snapshot.diseases[d].name for d in distractor_ids]
-            options = self._options(condition_letters[i], disease.name, names)
-            out["condition_mcq"].append(
-                Task(
-                    id=f"imaging-condition-mcq-{split}-{i:06d}",
-                    messages=[
-                        system_message("letter"),
-                        Message(role="user", content=f"{intro} The lesion in {where} is a recognised feature of "
-                                                     f"which of these conditions?\n{option_listing(options)}"),
-                    ],
-                    answer=condition_letters[i],
-                    options=options,
-                    references=name_variants(disease),
-                    metadata={"task": "imaging_condition_mcq", **base_meta, "disease_id": disease_id,
-                              "kb_doc_ids": [f"term:{term.id}", f"disease:{disease_id}"],
-                              "distractor_ids": distractor_ids},
-                    **common,
-                )
-            )
+            about = self._case_question(split, i, case)
+            out["finding_mcq"].append(self._finding_mcq(about, letters[i], rng))
+            out["finding_open"].append(self._finding_open(about))
+            disease_id = self._next_answer(about.finding.key, split, answer_pools, rng)
+            if disease_id is not None:
+                out["condition_mcq"].append(self._condition_mcq(about, disease_id, condition_letters[i], split, rng))
         return out
+
+    def _case_question(self, split: str, i: int, case: CaseResult) -> CaseQuestion:
+        target = case.lesions[0]
+        finding = FINDINGS_BY_KEY[target["finding"]]
+        term = self.terms[finding.key]
+        modality = MODALITIES[case.spec.modality]
+        meta = {
+            "split": split,
+            "case_id": f"{split}-{case.spec.index:05d}",
+            "modality": modality.key,
+            "finding": finding.key,
+            "hpo_id": term.id,
+            "hpo_name": term.name,
+            "kb_doc_id": f"term:{term.id}",
+            "size_stratum": target["stratum"],
+            "needs_zoom": target["stratum"] == "small",
+            "region": target["region"],
+            "image_size": IMAGE_SIZE,
+            "input_size": INPUT_SIZE,
+            "lesions": case.lesions,
+            "case": case.spec.to_json(),
+        }
+        return CaseQuestion(split, i, case, finding, term, modality, meta, where=f"the {target['region']} of the image",
+                            intro=f"This is a {modality.label}.",
+                            common={"images": [case.image], "gold_boxes": [[float(v) for v in target["box"]]]})
+
+    def _finding_mcq(self, about: CaseQuestion, letter: str, rng: random.Random) -> Task:
+        """The finding, multiple choice: the image's other findings are the first distractors."""
+        present = [les["finding"] for les in about.case.lesions[1:]]
+        rest = [f.key for f in FINDINGS
+                if f.modality == about.modality.key and f.key != about.finding.key and f.key not in present]
+        distractors = (present + rng.sample(rest, len(rest)))[: len(LETTERS) - 1]
+        rng.shuffle(distractors)  # which letters the distractors take says nothing about them
+        options = self._options(letter, about.term.name, [self.terms[k].name for k in distractors])
+        return Task(
+            id=f"imaging-finding-mcq-{about.split}-{about.index:06d}",
+            messages=[
+                system_message("letter"),
+                Message(role="user", content=f"{about.intro} What finding is present in {about.where}?\n"
+                                             f"{option_listing(options)}"),
+            ],
+            answer=letter,
+            options=options,
+            references=[about.term.name],
+            metadata={"task": "imaging_finding_mcq", **about.meta,
+                      "distractor_hpo_ids": [self.terms[k].id for k in distractors]},
+            **about.common,
+        )
+
+    @staticmethod
+    def _finding_open(about: CaseQuestion) -> Task:
+        term = about.term
+        return Task(
+            id=f"imaging-finding-open-{about.split}-{about.index:06d}",
+            messages=[
+                system_message("finding"),
+                Message(role="user", content=f"{about.intro} What finding is present in {about.where}? "
+                                             "Answer with the name of the finding."),
+            ],
+            answer=term.name,
+            options=None,
+            references=[term.name] + [s for s in term.synonyms if s.lower() != term.name.lower()],
+            metadata={"task": "imaging_finding_open", **about.meta},
+            **about.common,
+        )
+
+    def _condition_mcq(self, about: CaseQuestion, disease_id: str, letter: str, split: str,
+                       rng: random.Random) -> Task:
+        """Which condition the lesion is a recognised feature of: `disease_id` among others of the split."""
+        from tasks.knowledge_base import name_variants
+
+        distractor_ids = self._condition_distractors(about.finding, split, rng)
+        disease = self.snapshot.diseases[disease_id]
+        options = self._options(letter, disease.name, [self.snapshot.diseases[d].name for d in distractor_ids])
+        return Task(
+            id=f"imaging-condition-mcq-{split}-{about.index:06d}",
+            messages=[
+                system_message("letter"),
+                Message(role="user", content=f"{about.intro} The lesion in {about.where} is a recognised feature of "
+                                             f"which of these conditions?\n{option_listing(options)}"),
+            ],
+            answer=letter,
+            options=options,
+            references=name_variants(disease),
+            metadata={"task": "imaging_condition_mcq", **about.meta, "disease_id": disease_id,
+                      "kb_doc_ids": [f"term:{about.term.id}", f"disease:{disease_id}"],
+                      "distractor_ids": distractor_ids},
+            **about.common,
+        )
 
     @staticmethod
     def _options(letter: str, answer: str, distractors: list[str]) -> dict[str, str]:
