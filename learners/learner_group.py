@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import ray
 import torch
@@ -152,15 +153,37 @@ class LearnerGroup:
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         return self._all([r.sequence_logprobs.remote(sequences, images) for r in self.ranks], "a logprob check")[0]
 
-    def fidelity(self, workers: list, trajectories: ray.ObjectRef, n: int = 4) -> float:
+    def fidelity(self, workers: list, trajectories: ray.ObjectRef, n: int = 4, version: int = 0,
+                 restore: Callable[[int], None] | None = None, attempts: int = 3) -> float:
         """Max |engine logprob - learner logprob| over the first `n` of a share of trajectories, on every rollout
-        worker, under the weights just synced."""
+        worker, under the weights just synced (`version`). A worker lost during the check, or restarted by Ray with
+        older weights, is checked again once it answers and `restore(i)` has given worker i the current weights (as
+        a lost share is generated again); raises after `attempts` such failures of one worker."""
         sample = ray.get(trajectories)[:n]
         seqs, images = [t.prompt_ids + t.response_ids for t in sample], [t.images for t in sample]
         learner = self.sequence_logprobs(seqs, images)
-        return max(abs(e - l) for w in workers
-                   for engine, ours in zip(ray.get(w.prompt_logprobs.remote(seqs, images)), learner)
-                   for e, l in zip(engine, ours, strict=True))
+        worst = 0.0
+        for i, worker in enumerate(workers):
+            for attempt in range(attempts + 1):
+                try:
+                    engine = ray.get(worker.prompt_logprobs.remote(seqs, images))
+                    held = ray.get(worker.ready.remote())["version"]  # after the call: a restart shows here
+                    if held >= version:
+                        break
+                    problem = f"restarted with the weights of version {held}"
+                except ACTOR_LOST as e:
+                    problem = f"lost ({type(e).__name__})"
+                if attempt == attempts:
+                    raise RuntimeError(f"RolloutWorker-{i} failed {attempts + 1} times in the fidelity check: "
+                                       f"{problem}")
+                log.warning("RolloutWorker-%d %s in the fidelity check; checking it again with the current weights",
+                            i, problem)
+                wait_until_ready(worker)
+                if restore is not None:
+                    restore(i)
+            worst = max([worst] + [abs(e - l) for ours, theirs in zip(learner, engine)
+                                   for l, e in zip(ours, theirs, strict=True)])
+        return worst
 
     def save(self, checkpoint_dir) -> None:
         self._all([r.save.remote(str(checkpoint_dir)) for r in self.ranks], "checkpoint save")

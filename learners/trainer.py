@@ -285,7 +285,8 @@ class Trainer(Stages, Recovery):
         record = {f"actor_restarts/{role}": n for role, n in self.restarts.items()}
         record.update(self.recipe.step_stats(services))
         if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
-            record["fidelity_max_abs_diff"] = self.learners.fidelity(self.workers, rollouts.trajectories[0])
+            record["fidelity_max_abs_diff"] = self.learners.fidelity(self.workers, rollouts.trajectories[0],
+                                                                     version=self.version, restore=self.restore_worker)
             if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():
                 raise RuntimeError(f"rollout and learner log-probabilities differ by "
                                    f"{record['fidelity_max_abs_diff']:.2e} after the sync of step {self.step} "

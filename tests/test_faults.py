@@ -155,6 +155,30 @@ def test_an_evaluation_survives_its_rollout_worker_lost(ray_session, tiny_model_
     assert history[0]["actor_restarts/rollout"] == 1
 
 
+@pytest.mark.slow
+def test_a_fidelity_check_survives_its_rollout_worker_lost(ray_session, tiny_model_path, tmp_path, monkeypatch):
+    """RolloutWorker-0 is killed as the fidelity check after a sync begins: it is restarted, given the current
+    weights and checked again, and the run goes on with the check passed."""
+    import ray
+
+    from learners.learner_group import LearnerGroup
+
+    learner_side, killed = LearnerGroup.sequence_logprobs, []
+
+    def kill_then_score(group, seqs, images):
+        if not killed:
+            worker = ray.get_actor("RolloutWorker-0")
+            ray.kill(worker, no_restart=False)
+            killed.append(worker)
+        return learner_side(group, seqs, images)
+    monkeypatch.setattr(LearnerGroup, "sequence_logprobs", kill_then_score)
+    cfg = tiny_run(tmp_path / "run", "total_steps=2", "rollout.fidelity_check_every=1", "eval=null")
+    history = Trainer(cfg).fit()
+    assert len(killed) == 1 and [r["step"] for r in history] == [1, 2]
+    assert all(r["fidelity_max_abs_diff"] <= cfg.fidelity_tolerance() for r in history)
+    assert history[-1]["actor_restarts/rollout"] == 1
+
+
 def test_past_its_restart_limit_a_failed_learner_rank_ends_the_run_naming_resume():
     from types import SimpleNamespace
 
