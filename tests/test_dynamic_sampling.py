@@ -63,9 +63,10 @@ def test_the_trainer_reports_every_round_sampled_and_trains_on_the_kept_groups(m
     trainer.start_rollouts = lambda step, refill_round: StepRollouts(step, 0, [list("ghij")], [], [])
     trainer.collect = lambda rollouts: []
     trainer.score = lambda rollouts: second
-    batch, totals, sampled, scores, trained = trainer.training_batch(
-        StepRollouts(0, 0, [list("abcd"), list("ef")], [], []), first)
-    assert batch == [list("cdgh")] and totals == [0.0, 1.0, 1.0, 0.0] and scores == first + second
-    assert trained[0]["total"] == totals and trained[0]["components"]["accuracy"] == totals  # the batch's, in order
-    assert reward_metrics(scores)["reward_mean"] == 0.6 and sampled["reward_mean_kept"] == 0.5
-    assert sampled["extra_generation_rounds"] == 1 and sampled["groups_filtered"] == 3
+    batch = trainer.training_batch(StepRollouts(0, 0, [list("abcd"), list("ef")], [], []), first)
+    assert batch.trajectories == [list("cdgh")] and batch.totals == [0.0, 1.0, 1.0, 0.0]
+    assert batch.sampled == first + second
+    # the batch's own score dicts, in its order
+    assert batch.trained[0]["total"] == batch.totals and batch.trained[0]["components"]["accuracy"] == batch.totals
+    assert reward_metrics(batch.sampled)["reward_mean"] == 0.6 and batch.sampling["reward_mean_kept"] == 0.5
+    assert batch.sampling["extra_generation_rounds"] == 1 and batch.sampling["groups_filtered"] == 3
