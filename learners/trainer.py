@@ -84,6 +84,7 @@ class Trainer(Stages, Recovery):
         self.step = 0                                   # optimizer steps taken (the resumed checkpoint's at start)
         self.version = 0                                # the learner's weight version: one per optimizer step
         self.restarts = {"rollout": 0, "reward": 0, "learner": 0}  # actors restarted in the run, by role
+        self.worker_pids: list[int] = []                # each rollout worker's process id, to count its restarts once
         self.reward_pids: dict[int, int] = {}           # each reward actor's process id, to notice a restart
         self.service_pids: dict = {}                    # the same for the service actors (retriever, tools, judge)
         self.history: list[dict] = []                   # each step's record
@@ -215,12 +216,16 @@ class Trainer(Stages, Recovery):
                              f"step {rollouts.step + 1}", rollouts.version, self.restore_worker)
 
     def restore_worker(self, i: int) -> None:
-        """RolloutWorker-i, restarted by Ray with its start-up weights, gets the current ones (counted in
-        actor_restarts/rollout). A restarted worker cannot rejoin a collective weight-sync group: the run stops."""
+        """RolloutWorker-i, restarted by Ray with its start-up weights, gets the current ones (each restart counted
+        once in actor_restarts/rollout). A restarted worker cannot rejoin a collective weight-sync group: the run
+        stops."""
         if self.learners.transport == "collective":
             raise RuntimeError(f"RolloutWorker-{i} was restarted; a restarted worker cannot rejoin the collective "
                                f"weight-sync group: use cluster.weight_sync=object_store for fault tolerance")
-        self.restarts["rollout"] += 1
+        pid = ray.get(self.workers[i].ready.remote())["pid"]
+        if pid != self.worker_pids[i]:  # one restart, however many calls found it lost
+            self.restarts["rollout"] += 1
+            self.worker_pids[i] = pid
         self.learners.sync(self.version)
 
     def score(self, rollouts: StepRollouts) -> list[dict]:
@@ -343,7 +348,7 @@ class Trainer(Stages, Recovery):
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
         laps.lap("stage")
         self.restore_rewards(resume_from)
-        ray.get([w.ready.remote() for w in self.workers])
+        self.worker_pids = [ready["pid"] for ready in ray.get([w.ready.remote() for w in self.workers])]
         laps.lap("rollout_workers")
         count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
         self.version = self.step

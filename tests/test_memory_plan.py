@@ -100,10 +100,13 @@ def test_the_memory_watch_warns_once_near_the_threshold(monkeypatch, caplog):
 
 
 def test_a_process_tensors_count_each_storage_once():
+    import gc
+
     import torch
 
     from cluster.devices import resident_gb, tensors_gb
 
+    gc.collect()  # tensors in unreachable cycles would otherwise be counted once and collected before the second look
     before = tensors_gb()
     weights = torch.ones(25_000_000)  # 100 MB, and a view of it that holds no memory of its own
     view = weights[:10]
