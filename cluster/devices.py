@@ -82,9 +82,13 @@ def tensors_gb() -> float:
     for tensor in tensors:
         if tensor.is_sparse:  # no single storage; the learner holds none
             continue
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
+        try:
+            storage = tensor.untyped_storage()
+            address = storage.data_ptr()
+        except RuntimeError:  # fake and functional tensors (left by torch.compile's tracing) hold no data
+            continue
+        if address and address not in seen:
+            seen.add(address)
             total += storage.nbytes()
     return total / 1e9
 

@@ -112,3 +112,19 @@ def test_a_process_tensors_count_each_storage_once():
     view = weights[:10]
     assert tensors_gb() - before == pytest.approx(0.1, abs=0.005) and view.sum() == 10
     assert resident_gb() > tensors_gb()
+
+
+def test_tensors_without_data_count_nothing():
+    """torch.compile (vLLM's engine in the same process) leaves fake and functional tensors behind: no storage to read."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+    from cluster.devices import tensors_gb
+
+    before = tensors_gb()
+    with FakeTensorMode():
+        fake = torch.ones(25_000_000)
+    with FunctionalTensorMode():
+        functional = torch.ones(25_000_000)
+    assert fake.numel() == functional.numel() and tensors_gb() == pytest.approx(before, abs=0.005)
