@@ -1,6 +1,7 @@
 """Proof that the recipes learn what the papers report, on this machine.
 
-    python benchmarks/bench_learning.py --suite quickstart [--seeds 0 1] [key=value ...]
+    python benchmarks/bench_learning.py --suite quickstart [--config configs/quickstart_paging.yaml --name paging]
+        [--seeds 0 1] [key=value ...]
     python benchmarks/bench_learning.py --suite retrieval [--seeds 0 1] [key=value ...]
     python benchmarks/bench_learning.py --suite retrieval --model tiny [--sft-steps 60 --rl-steps 40 --eval-limit 200]
     python benchmarks/bench_learning.py --suite armed [--model tiny] [--sft-steps 10 --rl-steps 16]
@@ -9,8 +10,10 @@ key=value overrides (e.g. a larger tiny model: model.tiny.hidden_size=256) apply
 its evaluation; --name keeps each setting's runs apart (outputs/bench_learning/<name>/).
 
 quickstart: configs/quickstart.yaml as shipped (SmolLM2-135M-Instruct: cold start on expert demonstrations, then GRPO
-with retrieval), once per seed; the held-out accuracy of the base model, after the cold start and after GRPO (the
-run's own evaluations, hpo:mcq_test), with the wall-clock of the whole run including start-up.
+with retrieval), or the config --config names (e.g. the paging setting), once per seed; every evaluation the run makes
+(the base model, after the cold start, after GRPO; each split of eval.data) with its search behaviour (the gold
+option linked in any search and in the first, accuracy split by whether the first search linked it), read from the
+run's own eval.json, with the wall-clock of the whole run including start-up.
 retrieval: the HPO diagnosis task, evaluated on held-out diseases (hpo:mcq_test: no test disease occurs in training,
 so only retrieval can answer). On the real model (default), two quickstart runs per seed, each evaluated after its
 cold start and after its GRPO stage: as shipped (sft_only, grpo_retrieval) and with retrieval off, its cold start on
@@ -140,14 +143,14 @@ def plot_setting(args) -> str:
     return args.name if args.model == "tiny" else f"real_{args.name}"
 
 
-def quickstart_rows(out: Path, seed: int, overrides: list[str]) -> list[dict]:
-    """configs/quickstart.yaml for one seed (run unless its eval.json is there): one row per evaluation of the run
-    (base, after the cold start when eval.every asks, after GRPO), read from the run's own eval.json; the run's
-    wall-clock includes Ray and actor start-up."""
+def quickstart_rows(out: Path, seed: int, overrides: list[str], config: str = QUICKSTART) -> list[dict]:
+    """`config` for one seed (run unless its eval.json is there): one row per evaluation of the run (base, after the
+    cold start when eval.every asks, after GRPO; each split), read from the run's own eval.json; the run's wall-clock
+    includes Ray and actor start-up."""
     wall = None
     if not (out / "eval.json").exists():
         start = time.perf_counter()
-        subprocess.run([PYTHON, "learners/run.py", "--config", QUICKSTART, f"output_dir={out}", f"seed={seed}",
+        subprocess.run([PYTHON, "learners/run.py", "--config", config, f"output_dir={out}", f"seed={seed}",
                         "logging.progress_bar=false", *overrides], cwd=ROOT, check=True)
         wall = time.perf_counter() - start
     from learners.config import load_config
@@ -168,13 +171,22 @@ def quickstart_rows(out: Path, seed: int, overrides: list[str]) -> list[dict]:
                          "gold_retrieved": round(m["gold_retrieved"]["mean"], 3) if "gold_retrieved" in m else None,
                          # a policy right whenever its search finds the gold disease, guessing otherwise (4 options)
                          "retrieval_bound": round(0.25 + 0.75 * m["gold_retrieved"]["mean"], 3)
-                         if "gold_retrieved" in m else None, **timing})
+                         if "gold_retrieved" in m else None, **search_behaviour(m), **timing})
     return rows
+
+
+def search_behaviour(metrics: dict) -> dict:
+    """What an evaluation's episodes did with their searches (multiple-choice tasks with linked options): the gold
+    option linked in any search and in the first; accuracy where the first search linked it and where it did not,
+    each with its count."""
+    keys = ("gold_linked", "gold_linked_first", "accuracy_first_linked", "accuracy_first_unlinked")
+    return {key: round(metrics[key]["mean"], 3) for key in keys if key in metrics} | \
+        {f"n_{key}": metrics[key]["n"] for key in keys[2:] if key in metrics}
 
 
 def quickstart_suite(args) -> list[dict]:
     return [row for seed in args.seeds
-            for row in quickstart_rows(runs_dir(args) / f"quickstart_seed{seed}", seed, args.overrides)]
+            for row in quickstart_rows(runs_dir(args) / f"quickstart_seed{seed}", seed, args.overrides, args.config)]
 
 
 def grpo_stage(grpo) -> str:
@@ -368,6 +380,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", choices=["quickstart", "retrieval", "armed"], required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1], help="quickstart: one run per seed")
+    parser.add_argument("--config", default=QUICKSTART, help="quickstart: the run's config (e.g. the paging setting)")
     parser.add_argument("--model", choices=["real", "tiny"], default="real",
                         help="SmolLM2-135M-Instruct (configs/quickstart.yaml) or the tiny random model")
     parser.add_argument("--arms", nargs="*", help="retrieval: a subset of the arms (--model tiny) or of the settings "
