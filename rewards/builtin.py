@@ -121,3 +121,18 @@ def valid_option(trajectories: list[Trajectory]) -> dict[str, list[float]]:
         answer, options = extract_answer(traj.text), traj.task.get("options")
         scores.append(float(bool(options) and answer is not None and extract_option(answer, options) is not None))
     return {"valid_option": scores}
+
+
+@register_reward("grounded_option")
+def grounded_option(trajectories: list[Trajectory]) -> dict[str, list[float]]:
+    """1 if the <answer> of a multiple-choice task names an option that one of the episode's searches linked (a hit
+    titled with that option's text, shown "(option X)": `retrieval.link_options`, recorded in each turn's `linked`),
+    else 0: an answer the retrieved evidence supports. Guessing without a search, or from hits that name no option,
+    earns nothing, so searching on (a later page) until the evidence names a candidate pays."""
+    scores = []
+    for traj in trajectories:
+        answer, options = extract_answer(traj.text), traj.task.get("options")
+        letter = extract_option(answer, options) if options and answer is not None else None
+        linked = {option for turn in traj.turns for option in turn.get("linked", [])}
+        scores.append(float(letter is not None and letter in linked))
+    return {"grounded_option": scores}

@@ -313,3 +313,14 @@ def test_accuracy_extracts_the_option(answer, gold):
     t = answered(answer, answer="B", options={"A": "Gout", "B": "Marfan syndrome"})
     assert make_reward("accuracy", {})([t])["accuracy"] == [gold]
     assert make_reward("valid_option", {})([t])["valid_option"] == [1.0]
+
+
+def test_grounded_option_pays_an_answer_the_searches_linked():
+    options = {"A": "Gout", "B": "Marfan syndrome", "C": "Down syndrome"}
+    first_page, second_page = {"query": "tall", "linked": []}, {"query": "tall", "linked": ["B", "C"]}
+    batch = [answered("B", answer="B", options=options, turns=[first_page, second_page]),  # linked on page 2
+             answered("C", answer="B", options=options, turns=[first_page, second_page]),  # linked, though wrong
+             answered("A", answer="A", options=options, turns=[first_page, second_page]),  # right, but a guess
+             answered("B", answer="B", options=options),                                   # no search at all
+             traj("<think>no answer</think>", answer="B", options=options, turns=[second_page])]
+    assert make_reward("grounded_option", {})(batch)["grounded_option"] == [1.0, 1.0, 0.0, 0.0, 0.0]
