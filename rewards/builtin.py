@@ -116,11 +116,13 @@ def accuracy(trajectories: list[Trajectory]) -> dict[str, list[float]]:
 def valid_option(trajectories: list[Trajectory]) -> dict[str, list[float]]:
     """1 if the <answer> of a multiple-choice task names one of its options (right or wrong), else 0: the
     answer-format half of MCQ accuracy, so a policy learns to choose before it learns to choose well."""
-    scores = []
-    for traj in trajectories:
-        answer, options = extract_answer(traj.text), traj.task.get("options")
-        scores.append(float(bool(options) and answer is not None and extract_option(answer, options) is not None))
-    return {"valid_option": scores}
+    return {"valid_option": [float(chosen_option(t) is not None) for t in trajectories]}
+
+
+def chosen_option(traj: Trajectory) -> str | None:
+    """The option letter the <answer> of a multiple-choice episode names, or None (no options, no answer, no option)."""
+    answer, options = extract_answer(traj.text), traj.task.get("options")
+    return extract_option(answer, options) if options and answer is not None else None
 
 
 @register_reward("grounded_option")
@@ -131,8 +133,6 @@ def grounded_option(trajectories: list[Trajectory]) -> dict[str, list[float]]:
     earns nothing, so searching on (a later page) until the evidence names a candidate pays."""
     scores = []
     for traj in trajectories:
-        answer, options = extract_answer(traj.text), traj.task.get("options")
-        letter = extract_option(answer, options) if options and answer is not None else None
-        linked = {option for turn in traj.turns for option in turn.get("linked", [])}
+        letter, linked = chosen_option(traj), {option for turn in traj.turns for option in turn.get("linked", [])}
         scores.append(float(letter is not None and letter in linked))
     return {"grounded_option": scores}

@@ -115,7 +115,7 @@ def test_a_process_tensors_count_each_storage_once():
 
 
 def test_tensors_without_data_count_nothing():
-    """torch.compile (vLLM's engine in the same process) leaves fake and functional tensors behind: no storage to read."""
+    """torch.compile (a vLLM engine in the same process) leaves fake and functional tensors: no storage to read."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._subclasses.functional_tensor import FunctionalTensorMode
