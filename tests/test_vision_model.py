@@ -65,7 +65,8 @@ def test_the_wrapped_language_model_reads_text_exactly_as_smollm2(real_model_pat
     with torch.no_grad():
         expected = text(ids).logits
         got = model.eval()(input_ids=ids).logits[..., :expected.shape[-1]]
-    assert torch.allclose(got, expected, atol=1e-5)
+    # the same float32 weights through Qwen2.5-VL's multimodal RoPE: rounding differs by ~1e-6 of logits ~30
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-4)
     assert all(len(tokenizer(t, add_special_tokens=False).input_ids) == 1 for t in VISION_TOKENS)
     assert model.lm_head.weight.data_ptr() == model.model.language_model.embed_tokens.weight.data_ptr()
 
