@@ -1,4 +1,5 @@
-"""Retrieval for reasoning-with-retrieval rollouts: dense (FAISS), sparse (BM25) or hybrid search over a built index.
+"""Retrieval for reasoning-with-retrieval rollouts: dense (FAISS), sparse (BM25), hybrid, or phenotype-similarity
+search (the HPO world's diseases ranked by what the query's phenotypes share with their annotations) over a built index.
 
 :class:`LocalRetriever` answers batches of queries in-process; :class:`Retriever` is the same as a Ray actor (encoder
 and index stay resident, Ray restarts it after a crash); :class:`ShardedRetriever` runs one actor per shard of a
@@ -31,7 +32,9 @@ class RetrievalConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    mode: Literal["dense", "sparse", "hybrid"] = "hybrid"
+    mode: Literal["dense", "sparse", "hybrid", "phenotype"] = Field(
+        "hybrid", description="phenotype: a query naming HPO phenotypes ranks the diseases by Resnik similarity "
+                              "(indexing.phenotype_similarity); a query naming none is searched sparse")
     top_k: int = Field(5, ge=1, description="documents per query: the hits the policy reads of each search, in "
                                           "training, the expert's demonstrations and serving (Med-RwR 3, Med-R3 5)")
     # Weighted fusion at 0.3 is the default because on HPO train-split queries (phenotype names) BM25 is far stronger
@@ -134,7 +137,7 @@ def config_for_index(index_dir: str | os.PathLike, config: RetrievalConfig | dic
     kind 'none') is searched sparse unless a mode was asked for; asking it for dense or hybrid search is a
     ValueError naming the index. Reads only the manifest, so callers can check settings before loading anything."""
     config = config if isinstance(config, RetrievalConfig) else RetrievalConfig(**(config or {}))
-    if config.mode == "sparse" or read_manifest(shard_dirs(index_dir)[0])["encoder"] is not None:
+    if config.mode in ("sparse", "phenotype") or read_manifest(shard_dirs(index_dir)[0])["encoder"] is not None:
         return config
     if "mode" in config.model_fields_set:
         raise ValueError(f"{index_dir} is a sparse-only index (built with kind 'none'): it cannot serve search mode "
@@ -176,6 +179,7 @@ class LocalRetriever:
         self.dense = None if encoder is None else \
             prepare_for_search(faiss.read_index(str(self.index_dir / "dense.faiss")), index_config)
         self.bm25 = bm25s.BM25.load(self.index_dir / "bm25", mmap=True, show_progress=False)
+        self.phenotypes, self.disease_rows = self._phenotype_search() if self.config.mode == "phenotype" else (None, None)
         self.cache = LRUCache(self.config.cache_size)
         self.queries_served = 0
 
@@ -207,6 +211,11 @@ class LocalRetriever:
             rankings = self._dense(queries, depth)
         elif mode == "sparse":
             rankings = self._sparse(queries, depth)
+        elif mode == "phenotype":
+            rankings = [self._by_phenotypes(query, depth) for query in queries]
+            unnamed = [i for i, ranking in enumerate(rankings) if ranking is None]
+            for i, ranking in zip(unnamed, self._sparse([queries[i] for i in unnamed], depth)):
+                rankings[i] = ranking
         else:
             pairs = zip(self._dense(queries, depth), self._sparse(queries, depth))
             if config.fusion == "rrf":
@@ -233,6 +242,31 @@ class LocalRetriever:
             top = top[np.argsort(-scores[top], kind="stable")]
             rankings.append([(int(r), float(scores[r])) for r in top if scores[r] > 0])
         return rankings
+
+    def _phenotype_search(self):
+        """The HPO world's phenotype similarity over the diseases this index holds, and each one's first chunk row."""
+        from indexing.phenotype_similarity import ensure_phenotype_similarity
+
+        first_row: dict[str, int] = {}
+        for row in range(len(self.docs)):
+            first_row.setdefault(self.docs[row]["doc_id"], row)
+        similarity = ensure_phenotype_similarity()
+        held = [i for i, d in enumerate(similarity.disease_ids) if f"disease:{d}" in first_row]
+        if not held:
+            raise ValueError(f"{self.index_dir}: search mode 'phenotype' ranks the HPO world's diseases, and this "
+                             f"index holds no disease:<id> document; index the HPO knowledge base (kb 'hpo')")
+        rows = np.array([first_row[f"disease:{similarity.disease_ids[i]}"] for i in held])
+        return similarity.restricted_to(held), rows
+
+    def _by_phenotypes(self, query: str, depth: int) -> Ranking | None:
+        """The diseases sharing information with the query's phenotypes, best first; None when it names none."""
+        scores = self.phenotypes.scores(query)
+        if scores is None:
+            return None
+        depth = min(depth, len(scores))
+        top = np.argpartition(-scores, depth - 1)[:depth]
+        top = top[np.argsort(-scores[top], kind="stable")]
+        return [(int(self.disease_rows[i]), float(scores[i])) for i in top if scores[i] > 0]
 
     def _hits(self, ranking: Ranking, k: int) -> list[dict]:
         """Ranked rows -> hit dicts; ties at equal score ordered by chunk id (what merge_shard_results does too)."""

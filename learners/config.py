@@ -170,10 +170,13 @@ class RetrievalSection(Strict):
                                             "numbered on (a search engine's next page)")
 
     @model_validator(mode="after")
-    def _mode_needs_vectors(self):
-        if self.index.kind == "none" and self.search.mode != "sparse":
+    def _mode_fits_the_index(self):
+        if self.index.kind == "none" and self.search.mode not in ("sparse", "phenotype"):
             raise ValueError(f"search.mode {self.search.mode!r} needs a dense index; set index.kind to flat, hnsw "
                              f"or ivfpq, or search.mode to sparse")
+        if self.search.mode == "phenotype" and self.kb != "hpo":
+            raise ValueError(f"search.mode 'phenotype' ranks the HPO world's diseases; kb is {self.kb!r}, set it to "
+                             f"'hpo' or choose another mode")
         return self
 
 

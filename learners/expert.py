@@ -31,20 +31,15 @@ from actors.image_tokens import image_layout
 from cluster.files import write_jsonl
 
 
-def phenotypes_of(task: dict) -> list[str]:
-    """The phenotype names a diagnosis question lists ("A patient has: a; b; c. Which ...")."""
-    question = [m for m in task["messages"] if m["role"] == "user"][-1]["content"]
-    if isinstance(question, list):
-        question = " ".join(part.get("text", "") for part in question if isinstance(part, dict))
-    listed = question.split(":", 1)[1].split(". ", 1)[0] if ":" in question else question
-    listed = listed.split(". Which", 1)[0].rstrip(".")
-    return [p.strip() for p in listed.split(";") if p.strip()]
-
-
 def expert_query(task: dict) -> str:
-    """What the expert searches: an imaging task's finding name, else the question's phenotypes."""
-    finding = (task.get("metadata") or {}).get("hpo_name")
-    return finding if finding and task.get("images") else "; ".join(phenotypes_of(task))
+    """What the expert searches: an imaging task's finding name, else the phenotypes its question lists."""
+    metadata = task.get("metadata") or {}
+    if metadata.get("hpo_name") and task.get("images"):
+        return metadata["hpo_name"]
+    if "phenotype_names" not in metadata:
+        raise ValueError(f"task {task.get('id')!r}: no metadata.phenotype_names, the phenotypes the scripted expert "
+                         f"searches (the HPO world's and phenopackets' diagnosis tasks carry them)")
+    return "; ".join(metadata["phenotype_names"])
 
 
 def cut_observation(grammar, body: str, tokenizer) -> str:

@@ -25,7 +25,7 @@ from tasks.knowledge_base import KnowledgeBase
 from tasks.schema import write_tasks
 
 #: Bump when the generated content changes for the same arguments, so existing worlds are rebuilt.
-WORLD_FORMAT = 2  # 2: diagnosis tasks carry reference reasonings and triples
+WORLD_FORMAT = 3  # 2: diagnosis tasks carry reference reasonings and triples; 3: phenotype names
 FILES = {
     "kb": "kb/chunks.jsonl",
     "mcq_train": "mcq_train.jsonl",

@@ -276,14 +276,14 @@ class HPOTaskBuilder:
         return {"reference_reasonings": [support, differential],
                 "reference_triples": [triples, triples + excluded]}
 
-    @staticmethod
-    def _metadata(case: DiagnosisCase, task: str, split: str) -> dict:
+    def _metadata(self, case: DiagnosisCase, task: str, split: str) -> dict:
         return {
             "task": task,
             "split": split,
             "disease_id": case.disease.id,
             "kb_doc_id": f"disease:{case.disease.id}",
             "phenotype_ids": case.clues,
+            "phenotype_names": [self.terms[h].name for h in case.clues],  # as the question lists them
             "k": len(case.clues),
             "k_stratum": case.k_stratum,
             "distractor_stratum": case.distractor_stratum,

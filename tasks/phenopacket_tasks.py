@@ -47,7 +47,7 @@ from tasks.phenopackets import MALFORMED, Case, PhenopacketError, Skip, read_cas
 from tasks.schema import Message, Task, option_listing, write_tasks
 
 #: Bump when the generated tasks change for the same source, so cached builds are rebuilt.
-TASKS_FORMAT = 2
+TASKS_FORMAT = 3  # 3: metadata.phenotype_names
 SPLITS = ("mcq_train", "mcq_test", "open_train", "open_test")
 MAX_OBSERVED = MIN_CLUES
 MAX_EXCLUDED = 3
@@ -194,7 +194,8 @@ class PhenopacketTaskBuilder:
         return {"task": task, "split": split, "case_id": case.id, "source": case.source,
                 "disease_id": case.disease_id, "diagnosis_id": case.diagnosis_id,
                 "kb_doc_id": f"disease:{case.disease_id}", "split_rule": self.split.split[case.disease_id][1],
-                "phenotype_ids": observed, "excluded_ids": excluded, "sex": case.sex, "onset": case.onset}
+                "phenotype_ids": observed, "phenotype_names": [self.terms[h].name for h in observed],
+                "excluded_ids": excluded, "sex": case.sex, "onset": case.onset}
 
 
 def _safe(case_id: str) -> str:

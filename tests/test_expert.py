@@ -4,7 +4,7 @@ import json
 
 from learners.config import load_config
 from learners.data import read_demonstrations
-from learners.expert import phenotypes_of, write_demonstrations
+from learners.expert import write_demonstrations
 
 
 def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_model_path, tmp_path):
@@ -27,7 +27,8 @@ def test_expert_demonstrations_follow_the_grammar_and_the_real_retriever(tiny_mo
         task, (ask, observed, answer) = demo["task"], demo["segments"]
         assert [ask["role"], observed["role"], answer["role"]] == ["policy", "environment", "policy"]
         query = ask["text"].split("<query>")[1].split("</query>")[0]
-        assert query.split("; ") == phenotypes_of(task)
+        assert query.split("; ") == task["metadata"]["phenotype_names"]
+        assert f"has: {query}. Which" in task["messages"][-1]["content"]  # the phenotypes the question lists
         # exactly what RetrievalEnvironment + EpisodeRunner insert: the observation, wrapped and cut
         hits = retriever.search([query], r.search.top_k)[0]
         full = tok.encode(g.wrap_observation(retrieval_text(hits, None)), add_special_tokens=False)

@@ -1,7 +1,6 @@
 """The tiny model's tokenizer: phenotypes as whole tokens (model.tiny.term_tokens)."""
 from tasks.tiny_models import TinyModelConfig
 from learners.data import load_tasks
-from learners.expert import phenotypes_of
 
 
 def test_term_tokens_make_each_listed_phenotype_one_token(tiny_model_path):
@@ -11,7 +10,7 @@ def test_term_tokens_make_each_listed_phenotype_one_token(tiny_model_path):
     whole = AutoTokenizer.from_pretrained(ensure_tiny_model(TinyModelConfig(term_tokens=True)))
     pieces = AutoTokenizer.from_pretrained(tiny_model_path)  # the default build
     task = load_tasks("hpo:mcq_test")[0]
-    phenotypes = phenotypes_of(task)
+    phenotypes = task["metadata"]["phenotype_names"]
     for name in phenotypes:
         assert len(whole.encode(name, add_special_tokens=False)) == 1, name
     assert sum(len(pieces.encode(name, add_special_tokens=False)) for name in phenotypes) > 2 * len(phenotypes)
