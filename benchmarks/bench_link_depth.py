@@ -1,10 +1,11 @@
 """Where the expert's search first links a multiple-choice option, page by page: the headroom of search behaviour.
 
-    python benchmarks/bench_link_depth.py [--limit 500] [--depth 50] [key=value ...]
+    python benchmarks/bench_link_depth.py [--limit 500] [--depth 50] [--data SET ...] [--modes sparse phenotype]
+                                          [key=value ...]
 
-For the first --limit questions of hpo:mcq_test and hpo:mcq_train, the quickstart's retrieval (BM25 over the HPO
-knowledge base, retrieval.show=titles, link_options) searched with the scripted expert's query (the case's phenotypes)
-down to --depth hits, in pages of retrieval.search.top_k: how many questions link an option on page 1 (and whether it
+For the first --limit questions of each task set (default hpo:mcq_test and hpo:mcq_train), the quickstart's retrieval
+(the HPO knowledge base, retrieval.show=titles, link_options) in each search mode (BM25, phenotype similarity) searched
+with the scripted expert's query (the case's phenotypes) down to --depth hits, in pages of retrieval.search.top_k: how many questions link an option on page 1 (and whether it
 is the gold one), how many link one first on page 2, 3, ... (gold or not), and how many link none in the whole depth.
 A policy that answers page 1's first linked option and otherwise guesses scores (page1_gold + unlinked / 4) / n; one
 that pages on (retrieval.paging) while nothing is linked and answers the first link it sees scores (page1_gold +
@@ -37,6 +38,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--limit", type=int, default=500)
     parser.add_argument("--depth", type=int, default=50)
+    parser.add_argument("--data", nargs="+", default=["hpo:mcq_test", "hpo:mcq_train"])
+    parser.add_argument("--modes", nargs="+", default=["sparse", "phenotype"])
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
@@ -48,16 +51,16 @@ def main() -> None:
     from learners.services import ensure_run_index
 
     cfg = load_config("configs/quickstart.yaml", args.overrides)
-    retriever = LocalRetriever(ensure_run_index(cfg), config=cfg.retrieval.search)
-    page = cfg.retrieval.search.top_k
+    index, page = ensure_run_index(cfg), cfg.retrieval.search.top_k
     rows = []
-    for split in ("hpo:mcq_test", "hpo:mcq_train"):
+    for split, mode in ((split, mode) for split in args.data for mode in args.modes):
+        retriever = LocalRetriever(index, config=cfg.retrieval.search.model_copy(update={"mode": mode}))
         tasks = load_tasks(split)[:args.limit]
         counts = first_links(tasks, retriever.search([expert_query(t) for t in tasks], args.depth), page)
         pages = sorted({k.split("_")[0] for k in counts if k != "none"})
         later_gold = sum(v for k, v in counts.items() if k.endswith("_gold") and not k.startswith("page1_"))
         unlinked = len(tasks) - counts.get("page1_gold", 0) - counts.get("page1_wrong", 0)
-        rows.append({"split": split, "n": len(tasks), "page_size": page, **dict(sorted(counts.items())),
+        rows.append({"split": split, "mode": mode, "n": len(tasks), "page_size": page, **dict(sorted(counts.items())),
                      "first_page_policy_accuracy": (counts.get("page1_gold", 0) + unlinked / 4) / len(tasks),
                      "paging_policy_accuracy": (counts.get("page1_gold", 0) + later_gold
                                                 + counts.get("none", 0) / 4) / len(tasks),
