@@ -6,6 +6,8 @@ import os
 import socket
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
 
 import ray
 import torch
@@ -21,6 +23,20 @@ from learners.checkpoint import checksums
 from learners.lora import has_adapters, merged_weights, policy, with_adapters
 
 log = logging.getLogger("medray.learner")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """How one batch trains: `passes` over it in mini-batches `parts` (one optimizer step each), the loss aggregated
+    as `loss_agg` at sampling temperature `temperature`, and `loss(logp, batch, rows, learner_old, denominator)`: one
+    micro-batch's loss and statistics (`rows`: its trajectories' indices in the batch; `learner_old`: the learner's
+    log-probabilities under the weights that sampled it, where known); `corrects`: the loss uses `learner_old`."""
+    passes: int
+    parts: list[slice]
+    loss_agg: str
+    temperature: float
+    corrects: bool
+    loss: Callable
 
 
 @ray.remote(max_restarts=0)
@@ -100,50 +116,41 @@ class LearnerWorker:
 
     def train(self, trajectory_refs: list, advantages: list[float] | None, algorithm: dict, objective: str,
               temperature: float, lr: float, mini_batch_size: int | None = None) -> dict:
-        """`updates_per_batch` passes over the batch, one optimizer step per mini-batch (the whole batch when
-        `mini_batch_size` is None), with the GRPO objective (rollouts and their advantages) or the SFT one
-        (demonstrations); each rank trains on its share of every mini-batch (`deal_micro_batches`). Returns sums
-        for exact aggregation, this rank's peak memory, and what it held as the call began: its resident size, its
-        tensors' and its process's before the model was loaded (`held_gb`)."""
+        """`passes` over the batch, one optimizer step per mini-batch, with the GRPO objective (rollouts and their
+        advantages) or the SFT one (demonstrations); each rank trains on its share of every mini-batch
+        (`deal_micro_batches`). Returns sums for exact aggregation, this rank's peak memory, and what it held as the
+        call began: its resident size, its tensors' and its process's before the model was loaded (`held_gb`)."""
         start = time.perf_counter()
         held = {"resident_gb": resident_gb(), "tensors_gb": tensors_gb(), "process_gb": self.process_gb}
         reset_peak_memory()
         trajs = [t for chunk in ray.get(trajectory_refs) for t in chunk]
         self._set_lr(lr)
-        grpo = objective == "grpo"
-        mode = algorithm["loss_agg"] if grpo else "token_mean"
-        parts = algo.mini_batches(len(trajs), mini_batch_size if grpo else None)
-        plans = [self._plan(trajs[part]) for part in parts]
-        passes = algorithm["updates_per_batch"] if grpo else 1
-        correcting = grpo and algorithm["rollout_correction"]["kind"] != "none"
+        goal = self._grpo(trajs, advantages, algorithm, temperature, mini_batch_size) if objective == "grpo" \
+            else self._sft(trajs)
+        plans = [self._plan(trajs[part]) for part in goal.parts]
         # With one optimizer step per batch the learner's behaviour log-probabilities are the first forward's own;
         # with more they are computed once, before any update.
-        behaviour = self._behaviour_logprobs(trajs, parts, plans, temperature) \
-            if correcting and passes * len(parts) > 1 else {}
-        adv = torch.tensor(advantages) if grpo else None
+        behaviour = self._behaviour_logprobs(trajs, goal.parts, plans, temperature) \
+            if goal.corrects and goal.passes * len(goal.parts) > 1 else {}
         stats = dict.fromkeys(("loss", "mask_sum", "clip_sum", "kl_sum", "entropy_sum", "grad_norm", "tokens",
                                "mismatch_k3_sum", "mismatch_tokens", "mismatch_corrected_sum", "mismatch_max_ratio"), 0.0)
         self.engine.train()
-        for p in range(passes):
-            for k, part in enumerate(parts):
+        for p in range(goal.passes):
+            for k, part in enumerate(goal.parts):
                 mini = trajs[part]
                 # The loss divides by the mini-batch's global count, so every token (token_mean) or sequence
                 # (seq_mean, token_sum_norm) weighs the same whatever the rank and micro-batch it lands in.
-                denominator = algo.loss_denominator(mode, [t.num_policy_tokens for t in mini],
+                denominator = algo.loss_denominator(goal.loss_agg, [t.num_policy_tokens for t in mini],
                                                     algorithm["loss_norm_length"])
                 self._set_accumulation(len(plans[k]))
                 for m, picked in enumerate(plans[k]):
                     batch = to_device(micro_batch([mini[i] for i in picked], self.pad_id, self.vision), self.device)
-                    logp, entropy = forward_logp(self.policy, batch, with_entropy=True,
-                                                 temperature=temperature if grpo else 1.0,
+                    logp, entropy = forward_logp(self.policy, batch, with_entropy=True, temperature=goal.temperature,
                                                  compute_dtype=self.compute_dtype)
-                    if grpo:
-                        first_update = p == 0 and k == 0  # the weights that sampled the batch, exactly
-                        learner_old = behaviour.get((k, m), logp.detach() if first_update else None)
-                        loss, s = self._grpo_loss(logp, batch, adv[part][picked].to(self.device), learner_old,
-                                                  algorithm, temperature, denominator)
-                    else:
-                        loss, s = algo.sft_loss(logp, batch["mask"], global_denominator=denominator)
+                    first_update = p == 0 and k == 0  # the weights that sampled the batch, exactly
+                    learner_old = behaviour.get((k, m), logp.detach() if first_update else None)
+                    rows = [range(len(trajs))[part][i] for i in picked]
+                    loss, s = goal.loss(logp, batch, rows, learner_old, denominator)
                     # DeepSpeed averages gradients over ranks; scaling by world size makes the sum of all ranks'
                     # micro-batch losses the mini-batch loss.
                     self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
@@ -154,7 +161,7 @@ class LearnerWorker:
                     for key, value in s.items():
                         stats[key] = max(stats[key], value) if key == "mismatch_max_ratio" else stats[key] + value
                 stats["grad_norm"] += float(self.engine.get_global_grad_norm() or 0.0)
-        stats["optimizer_steps"] = passes * len(parts)
+        stats["optimizer_steps"] = goal.passes * len(goal.parts)
         stats["grad_norm"] /= stats["optimizer_steps"]  # the mean over this batch's optimizer steps
         stats["lr"] = self.engine.get_lr()[0]
         stats["peak_memory_gb"] = peak_memory_gb()
@@ -162,6 +169,24 @@ class LearnerWorker:
         release_freed_memory()  # the batch's activations, reused across its micro-batches, go back to the kernel
         stats["seconds"] = time.perf_counter() - start
         return stats
+
+    def _grpo(self, trajs: list, advantages: list[float], algorithm: dict, temperature: float,
+              mini_batch_size: int | None) -> Objective:
+        """The policy loss over rollouts: `updates_per_batch` passes in mini-batches, at the sampling temperature."""
+        adv = torch.tensor(advantages)
+        return Objective(
+            passes=algorithm["updates_per_batch"], parts=algo.mini_batches(len(trajs), mini_batch_size),
+            loss_agg=algorithm["loss_agg"], temperature=temperature,
+            corrects=algorithm["rollout_correction"]["kind"] != "none",
+            loss=lambda logp, batch, rows, learner_old, denominator: self._grpo_loss(
+                logp, batch, adv[rows].to(self.device), learner_old, algorithm, temperature, denominator))
+
+    @staticmethod
+    def _sft(trajs: list) -> Objective:
+        """Cross-entropy on demonstrations' policy tokens: one pass, one optimizer step, every token alike."""
+        return Objective(passes=1, parts=algo.mini_batches(len(trajs), None), loss_agg="token_mean", temperature=1.0,
+                         corrects=False, loss=lambda logp, batch, rows, learner_old, denominator: algo.sft_loss(
+                             logp, batch["mask"], global_denominator=denominator))
 
     def _set_lr(self, lr: float) -> None:
         """A stage with its own learning rate: the schedule continues, scaled to it, from now."""
