@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from actors.environment import Environment
 from actors.episode import Episode, Observation
+from tasks.knowledge_base import name_key
 
 
 def retrieval_text(hits: list[dict] | None, error: str | None, *, show: str = "passages",
@@ -33,9 +34,10 @@ def passage(text: str, chars: int | None) -> str:
 
 
 def linked_option(hit: dict, options: dict[str, str] | None) -> str | None:
-    """The letter of the option whose text is the hit's title (case and spacing ignored), or None."""
-    letters = {" ".join(text.lower().split()): letter for letter, text in (options or {}).items()}
-    return letters.get(" ".join(hit.get("title", "").lower().split()))
+    """The letter of the option whose text is the hit's title, compared as words (`name_key`: case and punctuation
+    ignored, so one disease's names in two sources link alike), or None."""
+    letters = {name_key(text): letter for letter, text in (options or {}).items()}
+    return letters.get(name_key(hit.get("title", "")))
 
 
 def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> str:

@@ -25,7 +25,7 @@ import numpy as np
 from scipy.sparse import csr_matrix
 
 from tasks.hpo import Disease, Term
-from tasks.knowledge_base import KnowledgeBase, name_variants
+from tasks.knowledge_base import KnowledgeBase, name_key, name_variants
 from tasks.schema import Message, Task, option_listing
 
 LETTERS = "ABCD"
@@ -92,7 +92,7 @@ class HPOTaskBuilder:
         seen_names: set[str] = set()  # of a name shared by several diseases, the best-annotated one is kept
         for d in sorted(kb.snapshot.diseases.values(), key=lambda d: (-len(self.features[d.id]), d.id)):
             clues = self._clue_candidates(d)
-            keys = {_norm(n) for n in name_variants(d)}
+            keys = {name_key(n) for n in name_variants(d)}
             if len(clues) >= MIN_CLUES and _decent_name(d.name) and not keys & seen_names:
                 self.clues[d.id] = clues
                 seen_names |= keys
@@ -333,10 +333,10 @@ class HPOTaskBuilder:
     def _term_distractors(self, term: Term, rng: random.Random) -> list[Term] | None:
         """3 siblings of the term (sharing a parent), topped up with cousins; None if there are not enough."""
         definition = term.definition.lower()
-        names = {_norm(term.name)} | {_norm(s) for s in term.synonyms}
+        names = {name_key(term.name)} | {name_key(s) for s in term.synonyms}
 
         def usable(ids: set[str]) -> list[Term]:
-            found = [self.terms[i] for i in sorted(ids) if i != term.id and _norm(self.terms[i].name) not in names]
+            found = [self.terms[i] for i in sorted(ids) if i != term.id and name_key(self.terms[i].name) not in names]
             return [t for t in found if t.name.lower() not in definition and len(t.name.split()) <= MAX_NAME_WORDS]
 
         children = self.children
@@ -375,10 +375,6 @@ def _balanced(values: list | str, n: int, rng: random.Random) -> list:
     out = [values[i % len(values)] for i in range(n)]
     rng.shuffle(out)
     return out
-
-
-def _norm(name: str) -> str:
-    return " ".join(re.findall(r"[a-z0-9]+", name.lower()))
 
 
 def _stems(text: str) -> set[str]:

@@ -37,6 +37,12 @@ def frequency_label(freq: float | None) -> str:
     return "not observed (0%)"
 
 
+def name_key(name: str) -> str:
+    """A name as compared: its lowercase words of letters and digits ("Neurofibromatosis, type 1" and
+    "Neurofibromatosis type 1" are one key)."""
+    return " ".join(re.findall(r"[a-z0-9]+", name.lower()))
+
+
 def name_variants(disease: Disease) -> list[str]:
     """The disease name plus, for OMIM's inverted names ("Erythermalgia, primary"), the natural word order.
 

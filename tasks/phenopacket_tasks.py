@@ -40,9 +40,9 @@ from tasks.build_hpo import DEFAULTS as WORLD_DEFAULTS, WORLD_FORMAT
 from tasks.extras import installed_version
 from cluster.files import building_dir, cache_dir, file_lock, sha256_file, verify_manifest
 from tasks.hpo import Disease, load_hpo_snapshot
-from tasks.hpo_tasks import (DISTRACTOR_STRATA, LETTERS, MIN_CLUES, HPOTaskBuilder, _balanced, _norm,
+from tasks.hpo_tasks import (DISTRACTOR_STRATA, LETTERS, MIN_CLUES, HPOTaskBuilder, _balanced,
                               system_message)
-from tasks.knowledge_base import KnowledgeBase, name_variants
+from tasks.knowledge_base import KnowledgeBase, name_key, name_variants
 from tasks.phenopackets import MALFORMED, Case, PhenopacketError, Skip, read_cases, source_digest
 from tasks.schema import Message, Task, option_listing, write_tasks
 
@@ -59,9 +59,9 @@ log = logging.getLogger("medray.phenopackets")
 
 def series_key(name: str) -> str:
     """A disease name without what numbers a series: "Neurofibromatosis, type 1" -> "neurofibromatosis"."""
-    words = [w for w in _norm(name).split()
+    words = [w for w in name_key(name).split()
              if not re.fullmatch(r"\d+[a-z]?|[ivx]+|[a-z]", w) and w not in _SERIES_WORDS]
-    return " ".join(words) or _norm(name)
+    return " ".join(words) or name_key(name)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def disease_split(world: HPOTaskBuilder, seed: int, test_fraction: float) -> Dis
 
 def _keys(disease: Disease) -> set[str]:
     variants = name_variants(disease)
-    return {_norm(v) for v in variants} | {series_key(v) for v in variants}
+    return {name_key(v) for v in variants} | {series_key(v) for v in variants}
 
 
 def _pool(world: HPOTaskBuilder, split: dict, which: str, own: dict) -> list[Disease]:
@@ -104,7 +104,7 @@ def _pool(world: HPOTaskBuilder, split: dict, which: str, own: dict) -> list[Dis
     diseases = [d for d in world.kb.snapshot.diseases.values() if split[d.id][0] == which and world.features[d.id]]
     pool, names = [], set()
     for d in sorted(diseases, key=lambda d: (d.id not in own, -len(world.features[d.id]), d.id)):
-        keys = {_norm(v) for v in name_variants(d)}
+        keys = {name_key(v) for v in name_variants(d)}
         if not keys & names:
             pool.append(d)
             names |= keys
@@ -146,10 +146,10 @@ class PhenopacketTaskBuilder:
     def mcq_task(self, case: Case, split: str, letter: str, stratum: str, rng: random.Random) -> Task | None:
         """A 4-option question, or None when the split has too few distractors for the case's disease."""
         disease = self.diseases[case.disease_id]
-        answer_names = {_norm(v) for v in name_variants(disease)} | {_norm(case.diagnosis_label)}
+        answer_names = {name_key(v) for v in name_variants(disease)} | {name_key(case.diagnosis_label)}
         similar = ((j, d) for j, d in self.world.similar(self.world.features[disease.id] or set(case.observed),
                                                           self.split.pools[split], exclude=disease.id)
-                   if _norm(d.name) not in answer_names)
+                   if name_key(d.name) not in answer_names)
         picked = self.world.distractors(self._shown(case)[0], similar, stratum, rng)
         if picked is None:
             return None

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tasks.hpo import HPOSnapshot
-from tasks.hpo_tasks import _norm as normalise  # how the HPO world compares disease names
+from tasks.knowledge_base import name_key  # how the HPO world compares disease names
 
 #: Skip reasons that mean the file itself is wrong (``strict`` fails on these); the others are valid phenopackets the
 #: HPO world cannot use (a disease it does not annotate, several diagnoses, nothing observed, too few distractors).
@@ -203,7 +203,7 @@ def _names(snapshot: HPOSnapshot) -> dict[str, str]:
     order = {"OMIM": 0, "ORPHA": 1, "DECIPHER": 2}
     found: dict[str, list[str]] = {}
     for d in sorted(snapshot.diseases.values(), key=lambda d: (order.get(d.source, 3), d.id)):
-        found.setdefault(normalise(d.name), []).append(d.id)
+        found.setdefault(name_key(d.name), []).append(d.id)
     return {name: ids[0] for name, ids in found.items() if len({i.split(":")[0] for i in ids}) == len(ids)}
 
 
@@ -213,7 +213,7 @@ def _map_disease(disease, snapshot: HPOSnapshot, by_name: dict[str, str]) -> str
     if source:
         key = f"{source}:{local.strip()}"
         return key if key in snapshot.diseases else None
-    return by_name.get(normalise(disease.label))  # MONDO and other vocabularies: by the label, when unambiguous
+    return by_name.get(name_key(disease.label))  # MONDO and other vocabularies: by the label, when unambiguous
 
 
 def _onset(packet, diagnosis_id: str) -> str | None:

@@ -10,8 +10,8 @@ import pytest
 
 from actors.trajectory import Trajectory
 from tasks.hpo import load_hpo_snapshot
-from tasks.hpo_tasks import HPOTaskBuilder, _norm
-from tasks.knowledge_base import KnowledgeBase, name_variants
+from tasks.hpo_tasks import HPOTaskBuilder
+from tasks.knowledge_base import KnowledgeBase, name_key, name_variants
 from tasks.phenopacket_tasks import (SPLITS, PhenopacketTaskBuilder, ensure_phenopacket_tasks, series_key)
 from tasks.phenopackets import PhenopacketError, read_cases
 from tasks.schema import read_tasks
@@ -117,10 +117,10 @@ def test_a_case_of_a_training_disease_never_reaches_a_test_split(builder, tmp_pa
     shown_in_training = {t["metadata"]["disease_id"] for t in tasks["mcq_train"]} | \
         {d for t in tasks["mcq_train"] for d in t["metadata"]["distractor_ids"]} | set(world_split)
     train_keys = {k for d in shown_in_training if world_split.get(d, "train") == "train"
-                  for v in name_variants(world.kb.snapshot.diseases[d]) for k in (_norm(v), series_key(v))}
+                  for v in name_variants(world.kb.snapshot.diseases[d]) for k in (name_key(v), series_key(v))}
     for t in tasks["mcq_test"] + tasks["open_test"]:
         disease = world.kb.snapshot.diseases[t["metadata"]["disease_id"]]
-        assert not {k for v in name_variants(disease) for k in (_norm(v), series_key(v))} & train_keys, t["id"]
+        assert not {k for v in name_variants(disease) for k in (name_key(v), series_key(v))} & train_keys, t["id"]
     for name in ("mcq_train", "mcq_test"):
         split = name.split("_")[1]
         assert all(builder.split.split[d][0] == split for t in tasks[name] for d in t["metadata"]["distractor_ids"])

@@ -70,7 +70,8 @@ class ImagingTaskBuilder:
     """
 
     def __init__(self, snapshot, seed: int = 0, test_fraction: float = 0.25):
-        from tasks.hpo_tasks import _decent_name, _norm
+        from tasks.hpo_tasks import _decent_name
+        from tasks.knowledge_base import name_key
 
         self.snapshot = snapshot
         self.seed = seed
@@ -90,7 +91,7 @@ class ImagingTaskBuilder:
         seen_names: set[str] = set()
         eligible = []
         for d in snapshot.diseases.values():  # id order; the first disease of a name keeps it
-            key = _norm(d.name)
+            key = name_key(d.name)
             if _decent_name(d.name) and key not in seen_names:
                 seen_names.add(key)
                 eligible.append(d)
