@@ -1,5 +1,5 @@
 """Actors killed in the middle of a real run: the run completes, every step trains on whole scored groups, and the
-metrics show what happened."""
+metrics show what happened (a run that loses an actor of every role: tests/test_chaos.py)."""
 import json
 import threading
 import time
@@ -27,33 +27,6 @@ def kill_when(out, step: int, name: str, delay_s: float, done: list, seen: list 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread
-
-
-@pytest.mark.slow
-def test_killed_rollout_reward_and_retriever_actors_do_not_stop_the_run(ray_session, tiny_model_path, tmp_path):
-    out = tmp_path / "run"
-    cfg = load_config("configs/tiny.yaml", [
-        f"output_dir={out}", "total_steps=4", "rollout.prompts_per_step=4", "rollout.group_size=4",
-        "rollout.max_new_tokens=16", "learner.micro_batch_size=8", "checkpoint.every=10", "logging.progress_bar=false",
-        "rollout.fidelity_check_every=1"])
-    killed: list[str] = []
-    # step 2's generation is under way right after step 1 is logged; the others die between or during calls
-    threads = [kill_when(out, 1, "RolloutWorker-0", 0.0, killed), kill_when(out, 2, "RewardActor-0", 0.0, killed),
-               kill_when(out, 3, "Retriever-0", 0.0, killed)]
-    history = Trainer(cfg).fit()
-    for thread in threads:
-        thread.join(timeout=5)
-    assert killed == ["RolloutWorker-0", "RewardActor-0", "Retriever-0"]
-    assert [h["step"] for h in history] == [1, 2, 3, 4]
-    last = history[-1]
-    # the worker's loss is counted whether the kill hit a rollout (generated again) or the sync (read again)
-    assert last["actor_restarts/rollout"] >= 1 and last["actor_restarts/reward"] >= 1
-    assert last["actor_restarts/retriever"] == 1
-    # every step trained on its whole batch, and the regenerated share was sampled with the current weights
-    assert all(h["fidelity_max_abs_diff"] <= 1e-4 for h in history)
-    assert all(h["version_lag"] == 0 for h in history)
-    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in logged] == [1, 2, 3, 4]
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow
 
 SHORT = ["total_steps=7", "stages.0.steps=6", "stages.0.sft.batch_size=8", "learner.lr=1e-4", "stages.1.steps=1",
          "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.fidelity_check_every=1", "eval.limit=6",
-         "eval.every=0", "checkpoint.every=1", "logging.progress_bar=false"]
+         "eval.every=0", "checkpoint.every=100", "logging.progress_bar=false"]  # checkpoints at stage ends
 
 
 @pytest.fixture(scope="module")
