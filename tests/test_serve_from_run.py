@@ -125,7 +125,8 @@ def trained(tmp_path, tiny_model_path, bm25_index):
 
     checkpoint = tmp_path / "run" / "checkpoints" / "step_2"
     shutil.copytree(tiny_model_path, checkpoint)
-    cfg = load_config("configs/quickstart.yaml", [f"retrieval.index_dir={bm25_index}", "retrieval.search.top_k=4"])
+    cfg = load_config("configs/quickstart.yaml", [f"retrieval.index_dir={bm25_index}", "retrieval.search.top_k=4",
+                                                 "retrieval.search.mode=sparse"])
     (checkpoint / "run.yaml").write_text(yaml.safe_dump(cfg.dump()))
     return checkpoint
 
