@@ -252,10 +252,10 @@ class LocalRetriever:
             first_row.setdefault(self.docs[row]["doc_id"], row)
         similarity = ensure_phenotype_similarity()
         held = [i for i, d in enumerate(similarity.disease_ids) if f"disease:{d}" in first_row]
-        if not held:
+        if not held and self.manifest.get("shard") is None:  # a shard may hold none; the others answer
             raise ValueError(f"{self.index_dir}: search mode 'phenotype' ranks the HPO world's diseases, and this "
                              f"index holds no disease:<id> document; index the HPO knowledge base (kb 'hpo')")
-        rows = np.array([first_row[f"disease:{similarity.disease_ids[i]}"] for i in held])
+        rows = np.array([first_row[f"disease:{similarity.disease_ids[i]}"] for i in held], dtype=np.int64)
         return similarity.restricted_to(held), rows
 
     def _by_phenotypes(self, query: str, depth: int) -> Ranking | None:
@@ -264,6 +264,8 @@ class LocalRetriever:
         if scores is None:
             return None
         depth = min(depth, len(scores))
+        if depth == 0:
+            return []
         top = np.argpartition(-scores, depth - 1)[:depth]
         top = top[np.argsort(-scores[top], kind="stable")]
         return [(int(self.disease_rows[i]), float(scores[i])) for i in top if scores[i] > 0]

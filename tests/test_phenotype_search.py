@@ -102,3 +102,16 @@ def test_phenotype_search_needs_the_hpo_knowledge_base(tmp_path):
     ensure_index(str(chunks), tmp_path / "index", None, IndexConfig(kind="none"))
     with pytest.raises(ValueError, match="holds no disease:<id> document"):
         LocalRetriever(tmp_path / "index", config={"mode": "phenotype"})
+
+
+def test_each_shard_ranks_the_diseases_it_holds(tmp_path):
+    """A sharded index of the HPO knowledge base: a shard without disease documents answers with no hits."""
+    nf1 = {"id": "disease:OMIM:162200#0", "doc_id": "disease:OMIM:162200", "title": "Neurofibromatosis, type 1",
+           "text": "Neurofibromatosis, type 1.", "source": "test"}
+    note = {"id": "note#0", "doc_id": "note", "title": "A note", "text": "Seizure.", "source": "test"}
+    chunks = tmp_path / "chunks.jsonl"
+    chunks.write_text("".join(json.dumps(c) + "\n" for c in (nf1, note)))
+    ensure_index(str(chunks), tmp_path / "index", None, IndexConfig(kind="none"), shards=2)
+    found = [LocalRetriever(shard, config={"mode": "phenotype"}).search(["Multiple cafe-au-lait spots"])[0]
+             for shard in sorted((tmp_path / "index").glob("shard-*"))]
+    assert [[h["doc_id"] for h in hits] for hits in found] == [["disease:OMIM:162200"], []]
