@@ -1,6 +1,7 @@
 """Phenotype-similarity search over the HPO world's diseases (`retrieval.search.mode: phenotype`).
 
-A query names phenotypes: HPO term names or synonyms, separated by ';', ',' or new lines, in any case. Each disease
+A query names phenotypes: HPO term names or synonyms, separated by ';' or new lines (or ',' where a part is no name
+itself: some names hold a comma), in any case. Each disease
 scores the mean, over the query's terms, of the information content of the most informative ancestor the term shares
 with any of the disease's annotations (Resnik similarity in Phenomizer's query-to-disease direction, Köhler et al.,
 Am J Hum Genet 2009):
@@ -23,7 +24,7 @@ from cluster.files import file_lock
 from tasks.hpo import HPOSnapshot, load_hpo_snapshot, snapshot_path
 
 FORMAT = 1  # bump when what is saved changes
-SEPARATORS = re.compile(r"[;,\n]")
+SEPARATORS = re.compile(r"[;\n]")
 
 
 def information_content(closure: sp.csc_matrix) -> np.ndarray:
@@ -73,8 +74,11 @@ class PhenotypeSimilarity:
         return cls(diseases, names, ancestors, closure, information_content(closure))
 
     def terms_of(self, query: str) -> list[int]:
-        """The query's parts that name a term (name or synonym), as term columns, each once, in query order."""
-        found = (self.names.get(part.strip().lower()) for part in SEPARATORS.split(query))
+        """The query's parts that name a term (name or synonym), as term columns, each once, in query order; a part
+        that names none is read as a comma-separated list."""
+        parts = [part.strip().lower() for part in SEPARATORS.split(query)]
+        found = (self.names.get(name) for part in parts
+                 for name in ([part] if part in self.names else [p.strip() for p in part.split(",")]))
         return list(dict.fromkeys(t for t in found if t is not None))
 
     def restricted_to(self, keep: list[int]) -> PhenotypeSimilarity:

@@ -28,9 +28,9 @@ def disease(id_, *phenotypes):
 
 @pytest.fixture(scope="module")
 def toy() -> PhenotypeSimilarity:
-    """Root R; A under R and A1 under A; B under R. D1 is annotated A1, D2 B, D3 A."""
+    """Root R; A under R and A1 under A; B and C under R. D1 is annotated A1, D2 B, D3 A."""
     terms = [term("R", "All"), term("A", "Seizure", ["R"], ["Epileptic seizure"]), term("A1", "Focal seizure", ["A"]),
-             term("B", "Short stature", ["R"], ["Seizure"])]
+             term("B", "Short stature", ["R"], ["Seizure"]), term("C", "Soft, doughy skin", ["R"])]
     diseases = [disease("D1", "A1"), disease("D2", "B"), disease("D3", "A")]
     return PhenotypeSimilarity.from_snapshot(HPOSnapshot(meta={}, terms={t.id: t for t in terms},
                                                          diseases={d.id: d for d in diseases}))
@@ -46,9 +46,10 @@ def test_a_disease_scores_the_information_its_annotations_share_with_each_query_
 
 
 def test_a_query_is_read_as_term_names_and_synonyms(toy):
-    columns = {t: i for i, t in enumerate(["A", "A1", "B", "R"])}
+    columns = {t: i for i, t in enumerate(["A", "A1", "B", "C", "R"])}
     assert toy.terms_of("Epileptic seizure, focal seizure\nshort stature; no such finding") == \
         [columns["A"], columns["A1"], columns["B"]]
+    assert toy.terms_of("soft, doughy skin; Seizure") == [columns["C"], columns["A"]]  # a name with a comma
     assert toy.terms_of("seizure") == [columns["A"]]  # a term's own name before another term's synonym
     assert toy.terms_of("Focal seizure; focal seizure") == [columns["A1"]]
     assert toy.scores("a child with fits") is None
