@@ -179,7 +179,8 @@ class LocalRetriever:
         self.dense = None if encoder is None else \
             prepare_for_search(faiss.read_index(str(self.index_dir / "dense.faiss")), index_config)
         self.bm25 = bm25s.BM25.load(self.index_dir / "bm25", mmap=True, show_progress=False)
-        self.phenotypes, self.disease_rows = self._phenotype_search() if self.config.mode == "phenotype" else (None, None)
+        phenotype = self.config.mode == "phenotype"
+        self.phenotypes, self.disease_rows = self._phenotype_search() if phenotype else (None, None)
         self.cache = LRUCache(self.config.cache_size)
         self.queries_served = 0
 

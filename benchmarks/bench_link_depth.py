@@ -5,11 +5,11 @@
 
 For the first --limit questions of each task set (default hpo:mcq_test and hpo:mcq_train), the quickstart's retrieval
 (the HPO knowledge base, retrieval.show=titles, link_options) in each search mode (BM25, phenotype similarity) searched
-with the scripted expert's query (the case's phenotypes) down to --depth hits, in pages of retrieval.search.top_k: how many questions link an option on page 1 (and whether it
-is the gold one), how many link one first on page 2, 3, ... (gold or not), and how many link none in the whole depth.
-A policy that answers page 1's first linked option and otherwise guesses scores (page1_gold + unlinked / 4) / n; one
-that pages on (retrieval.paging) while nothing is linked and answers the first link it sees scores (page1_gold +
-later pages' gold + none / 4) / n. Writes
+with the scripted expert's query (the case's phenotypes) down to --depth hits, in pages of retrieval.search.top_k: how
+many questions link an option on page 1 (and whether it is the gold one), how many link one first on page 2, 3, ...
+(gold or not), and how many link none in the whole depth. A policy that answers page 1's first linked option and
+otherwise guesses scores (page1_gold + unlinked / 4) / n; one that pages on (retrieval.paging) while nothing is linked
+and answers the first link it sees scores (page1_gold + later pages' gold + none / 4) / n. Writes
 benchmarks/results/link_depth.json and prints a table.
 """
 from __future__ import annotations

@@ -133,7 +133,8 @@ class LearnerWorker:
         behaviour = self._behaviour_logprobs(trajs, goal.parts, plans, temperature) \
             if goal.corrects and goal.passes * len(goal.parts) > 1 else {}
         stats = dict.fromkeys(("loss", "mask_sum", "clip_sum", "kl_sum", "entropy_sum", "grad_norm", "tokens",
-                               "mismatch_k3_sum", "mismatch_tokens", "mismatch_corrected_sum", "mismatch_max_ratio"), 0.0)
+                               "mismatch_k3_sum", "mismatch_tokens", "mismatch_corrected_sum",
+                               "mismatch_max_ratio"), 0.0)
         self.engine.train()
         for p in range(goal.passes):
             for k, part in enumerate(goal.parts):

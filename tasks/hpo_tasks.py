@@ -255,14 +255,18 @@ class HPOTaskBuilder:
         )
 
     def _question(self, case: DiagnosisCase) -> str:
-        shown = "; ".join(self.terms[h].name for h in case.clues)
+        shown = "; ".join(self._clue_names(case))
         return f"A patient has: {shown}. Which rare disease is most likely?"
+
+    def _clue_names(self, case: DiagnosisCase) -> list[str]:
+        """The names of the phenotypes a case shows, in the order its question lists them."""
+        return [self.terms[h].name for h in case.clues]
 
     def _reference_reasoning(self, case: DiagnosisCase) -> dict:
         """Reference reasonings for reasoning rewards (Med-R3's semantic / statistic / logical), written from the
         ontology: which phenotypes the answer accounts for, and for each distractor a shown phenotype it does not;
         with the matching knowledge-graph triples, one graph per reasoning."""
-        names = [self.terms[h].name for h in case.clues]
+        names = self._clue_names(case)
         support = f"The patient has {'; '.join(names)}. {case.disease.name} is annotated in the Human Phenotype " \
                   f"Ontology with {'; '.join(names)}, so {case.disease.name} is the most likely diagnosis."
         triples = [[case.disease.name, "has phenotype", n] for n in names]
@@ -283,7 +287,7 @@ class HPOTaskBuilder:
             "disease_id": case.disease.id,
             "kb_doc_id": f"disease:{case.disease.id}",
             "phenotype_ids": case.clues,
-            "phenotype_names": [self.terms[h].name for h in case.clues],  # as the question lists them
+            "phenotype_names": self._clue_names(case),  # as the question lists them
             "k": len(case.clues),
             "k_stratum": case.k_stratum,
             "distractor_stratum": case.distractor_stratum,
