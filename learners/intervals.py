@@ -7,13 +7,14 @@ import numpy as np
 
 
 def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a binomial proportion (better than the normal one near 0 and 1)."""
+    """95% Wilson score interval of a binomial proportion (better than the normal one near 0 and 1).
+    It always holds the observed proportion: at 0 or 1 rounding would otherwise leave it a hair outside."""
     if n == 0:
         return 0.0, 0.0
     p = successes / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return centre - half, centre + half
+    return min(centre - half, p), max(centre + half, p)
 
 
 def mean_interval(values: list[float], z: float = 1.96) -> dict:

@@ -21,6 +21,13 @@ def test_wilson_interval_by_hand():
     assert (low, high) == pytest.approx((0.4902, 0.9433), abs=1e-4)
 
 
+@pytest.mark.parametrize("successes,n", [(0, 11), (6, 6), (21, 21), (0, 300), (300, 300)])
+def test_wilson_interval_holds_an_accuracy_of_zero_or_one(successes, n):
+    # an error bar drawn from it must never be negative (matplotlib refuses one)
+    low, high = wilson_interval(successes, n)
+    assert low <= successes / n <= high
+
+
 def test_multiple_choice_accuracy():
     task = {"answer": "B", "options": {"A": "Gout", "B": "Marfan syndrome"}, "references": []}
     metrics = score([traj("B", task), traj("A", task), traj("Marfan syndrome", task)], [SUMMARY])
