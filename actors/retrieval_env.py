@@ -46,18 +46,35 @@ def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> s
     return f"[{rank + 1}] {hit.get('title', '')}" + (f" (option {letter})" if letter else "")
 
 
+def options_ranked(candidates: list[dict], options: dict[str, str]) -> str:
+    """The line that follows hits linking no option: the options the search scores, in its order (`candidates`,
+    best first, as a search `among` the options' texts returns them)."""
+    letters = list(dict.fromkeys(letter for hit in candidates if (letter := linked_option(hit, options))))
+    if not letters:
+        return "No option is among these results, and the search matches none of them."
+    return f"No option is among these results; the search ranks the options {', '.join(letters)}."
+
+
 class RetrievalEnvironment(Environment):
     """Queries go to a :class:`~actors.retriever.Retriever` actor (or a ShardedRetriever) in one batched call;
     each turn records the query and the retrieved chunks (ids and text), and with `link_options` on a multiple-choice
     task the letters its hits were marked with (`linked`, in rank order). `show`, `link_options` and `passage_chars`
     shape the observation (:func:`retrieval_text`). With `paging`, a query the episode already searched returns
-    the next `top_k` hits (as a search engine's next page), numbered on; the turn records its `page` (1, 2, ...)."""
+    the next `top_k` hits (as a search engine's next page), numbered on; the turn records its `page` (1, 2, ...).
+    With `rank_options` (and `link_options`), hits that link no option are followed by the options in the order the
+    same search ranks them however deep (:func:`options_ranked`; recorded as `options_ranked`)."""
     role = "retriever"
 
     def __init__(self, retriever, top_k: int, timeout_s: float = 60.0, show: str = "passages",
-                 link_options: bool = False, passage_chars: int | None = None, paging: bool = False):
+                 link_options: bool = False, passage_chars: int | None = None, paging: bool = False,
+                 rank_options: bool = False):
         self.retriever, self.top_k, self.timeout_s = retriever, top_k, timeout_s
         self.show, self.link_options, self.passage_chars, self.paging = show, link_options, passage_chars, paging
+        self.rank_options = rank_options and link_options
+
+    def among(self, options: dict[str, str] | None) -> list[str] | None:
+        """The titles a search for a task with `options` also ranks (its options' texts), or None."""
+        return list(options.values()) if self.rank_options and options else None
 
     def page(self, turns: list[dict], action: str) -> int:
         """Which page of `action`'s results an episode whose turn records are `turns` gets now, from 0: with paging,
@@ -73,8 +90,10 @@ class RetrievalEnvironment(Environment):
 
     def call(self, episodes: list[Episode], actions: list[str]) -> list:
         depth = max(self.depth(e.turns, a) for e, a in zip(episodes, actions))
+        among = [self.among(e.task.get("options")) for e in episodes]
+        args = (actions, depth) + ((among,) if any(among) else ())
         search = getattr(self.retriever, "search_async", None)  # a ShardedRetriever, else an actor handle
-        ref = search(actions, depth) if search else self.retriever.search.remote(actions, depth)
+        ref = search(*args) if search else self.retriever.search.remote(*args)
         return [(ref, i) for i in range(len(actions))]
 
     def observe(self, episode: Episode, action: str, result, error: str | None) -> Observation:
@@ -86,16 +105,21 @@ class RetrievalEnvironment(Environment):
         are; None with `error`) for an episode whose turn records are `turns`, on a task with `options` (a
         multiple-choice question's {letter: text}, or None): what training and serving both show and record."""
         first = self.page(turns, action) * self.top_k
-        hits = result[first:first + self.top_k] if result is not None else None
+        candidates = [d for d in result or [] if d.get("candidate")]
+        hits = [d for d in result if not d.get("candidate")][first:first + self.top_k] if result is not None else None
         record = {"query": action, "error": error,
                   "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
         if self.paging:
             record["page"] = first // self.top_k + 1
         options = options if self.link_options else None
+        text = retrieval_text(hits, error, show=self.show, options=options, passage_chars=self.passage_chars,
+                              first_rank=first)
         if options:  # what the policy was shown linked: the evaluation's gold-option link rates read it
             record["linked"] = [letter for d in hits or [] if (letter := linked_option(d, options))]
-        return Observation(retrieval_text(hits, error, show=self.show, options=options,
-                                          passage_chars=self.passage_chars, first_rank=first), record)
+            if self.rank_options and error is None and not record["linked"]:
+                text += "\n" + options_ranked(candidates, options)
+                record["options_ranked"] = [letter for d in candidates if (letter := linked_option(d, options))]
+        return Observation(text, record)
 
     def actors(self) -> list:
         return list(getattr(self.retriever, "actors", [self.retriever]))

@@ -6,7 +6,9 @@ and index stay resident, Ray restarts it after a crash); :class:`ShardedRetrieve
 sharded index and merges their top-k lists. Every hit is ``{id, doc_id, title, text, score}``, best first, ties
 broken by chunk id so that results are deterministic. A sharded dense search equals the unsharded one exactly; BM25
 statistics (IDF, average length) and the hybrid score normalisation are per shard, so sharded sparse and hybrid
-results approximate the unsharded ones.
+results approximate the unsharded ones. A query may also name candidates (`among`: document titles, e.g. a
+multiple-choice question's options): its hits are then followed by those candidates' best chunks in the order the
+same search scores them, however deep they rank (`"candidate": True`; sparse and phenotype search).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from indexing.encoders import MINILM_NAMES, Encoder, load_encoder, resolve_encod
 from indexing.retrieval_index import (DocStore, IndexConfig, bm25_tokenize, check_manifest, import_bm25s,
                                     prepare_for_search, read_manifest, resolve_corpus, shard_dirs)
 from tasks.extras import require
+from tasks.knowledge_base import name_key
 from cluster.files import sha256_file
 
 
@@ -79,11 +82,13 @@ def weighted_fusion(rankings: list[Ranking], weights: list[float]) -> Ranking:
 
 
 def merge_shard_results(per_shard: list[list[list[dict]]], top_k: int) -> list[list[dict]]:
-    """Per-shard hit lists (shard -> query -> hits) -> the global top ``top_k`` of each query, best first."""
+    """Per-shard hit lists (shard -> query -> hits) -> the global top ``top_k`` of each query, best first, then its
+    candidates' hits (all of them, best first)."""
     merged = []
     for hits_of_query in zip(*per_shard):
         hits = [hit for shard_hits in hits_of_query for hit in shard_hits]
-        merged.append(sorted(hits, key=lambda hit: (-hit["score"], hit["id"]))[:top_k])
+        best = sorted(hits, key=lambda hit: (-hit["score"], hit["id"]))
+        merged.append([h for h in best if not h.get("candidate")][:top_k] + [h for h in best if h.get("candidate")])
     return merged
 
 
@@ -183,21 +188,27 @@ class LocalRetriever:
         self.phenotypes, self.disease_rows = self._phenotype_search() if phenotype else (None, None)
         self.cache = LRUCache(self.config.cache_size)
         self.queries_served = 0
+        self.title_rows: dict[str, list[int]] | None = None  # name_key(title) -> rows, built at the first `among`
 
-    def search(self, queries: list[str], top_k: int | None = None) -> list[list[dict]]:
+    def search(self, queries: list[str], top_k: int | None = None,
+               among: list[list[str] | None] | None = None) -> list[list[dict]]:
         """The best ``top_k`` (default: config) chunks for each query; cached queries are not searched again.
+        ``among[i]`` (titles, or None): query i's hits are followed by the best chunk of each document so titled
+        that the search scores above 0, best first, each marked ``"candidate": True``.
 
         Sparse search returns only chunks that share a word with the query, so possibly fewer than ``top_k``.
         """
         top_k = top_k or self.config.top_k
         self.queries_served += len(queries)
-        results = {q: self.cache.get((q, top_k)) for q in dict.fromkeys(queries)}
-        missing = [q for q, hits in results.items() if hits is None]
+        keys = [(q, top_k, tuple(titles) if titles else None) for q, titles in zip(queries, among or [None] * len(queries))]
+        results = {key: self.cache.get(key) for key in dict.fromkeys(keys)}
+        missing = [key for key, hits in results.items() if hits is None]
         if missing:
-            for query, hits in zip(missing, self._search(missing, top_k)):
-                results[query] = hits
-                self.cache.put((query, top_k), hits)
-        return [[dict(hit) for hit in results[q]] for q in queries]
+            found = self._search([q for q, _, _ in missing], top_k)
+            for key, hits in zip(missing, found):
+                results[key] = hits + (self._candidates(key[0], key[2]) if key[2] else [])
+                self.cache.put(key, results[key])
+        return [[dict(hit) for hit in results[key]] for key in keys]
 
     def stats(self) -> dict:
         """Counters for health checks and metrics."""
@@ -225,6 +236,36 @@ class LocalRetriever:
                 weights = [config.dense_weight, 1 - config.dense_weight]
                 rankings = [weighted_fusion(list(pair), weights) for pair in pairs]
         return [self._hits(ranking, k) for ranking in rankings]
+
+    def _candidates(self, query: str, titles: tuple[str, ...]) -> list[dict]:
+        """The best chunk of each document titled one of `titles` (compared as `name_key`s) that `query` scores
+        above 0, as candidate hits, best first."""
+        if self.config.mode not in ("sparse", "phenotype"):
+            raise ValueError(f"candidates (among) are ranked by sparse or phenotype search, not {self.config.mode!r}")
+        if self.title_rows is None:
+            self.title_rows = {}
+            for row in range(len(self.docs)):
+                self.title_rows.setdefault(name_key(self.docs[row]["title"]), []).append(row)
+        scores = self._phenotype_row_scores(query) if self.config.mode == "phenotype" else None
+        scores = self._sparse_row_scores(query) if scores is None else scores
+        ranking = []
+        for rows in dict.fromkeys(tuple(self.title_rows.get(name_key(t), ())) for t in titles):
+            best = max(rows, key=lambda r: scores[r], default=None)
+            if best is not None and scores[best] > 0:
+                ranking.append((best, float(scores[best])))
+        return [{**hit, "candidate": True} for hit in self._hits(ranking, len(ranking))]
+
+    def _sparse_row_scores(self, query: str) -> np.ndarray:
+        token_ids = self.bm25.get_tokens_ids(bm25_tokenize([query])[0])
+        return self.bm25.get_scores_from_ids(token_ids) if token_ids else np.zeros(len(self.docs))
+
+    def _phenotype_row_scores(self, query: str) -> np.ndarray | None:
+        scores = self.phenotypes.scores(query)
+        if scores is None:
+            return None
+        by_row = np.zeros(len(self.docs), dtype=np.float32)
+        by_row[self.disease_rows] = scores
+        return by_row
 
     def _dense(self, queries: list[str], depth: int) -> list[Ranking]:
         vectors = self.encoder.encode(queries, batch_size=self.config.query_batch_size)
@@ -334,14 +375,16 @@ class ShardedRetriever:
         if self.actors is None:
             self.actors = [ray.get_actor(name) for name in self.names]
 
-    def search_async(self, queries: list[str], top_k: int | None = None) -> ray.ObjectRef:
+    def search_async(self, queries: list[str], top_k: int | None = None,
+                     among: list[list[str] | None] | None = None) -> ray.ObjectRef:
         """An ObjectRef to the merged results, so rollouts can keep generating while retrieval runs."""
         top_k = top_k or self.top_k
-        refs = [actor.search.remote(queries, top_k) for actor in self.actors]
+        refs = [actor.search.remote(queries, top_k, among) for actor in self.actors]
         return refs[0] if len(refs) == 1 else _merge_task.remote(top_k, *refs)
 
-    def search(self, queries: list[str], top_k: int | None = None) -> list[list[dict]]:
-        return ray.get(self.search_async(queries, top_k))
+    def search(self, queries: list[str], top_k: int | None = None,
+               among: list[list[str] | None] | None = None) -> list[list[dict]]:
+        return ray.get(self.search_async(queries, top_k, among))
 
     def stats(self) -> list[dict]:
         return ray.get([actor.stats.remote() for actor in self.actors])

@@ -168,6 +168,9 @@ class RetrievalSection(Strict):
                                                               "characters (the index holds it whole); null: whole")
     paging: bool = Field(False, description="a query the episode already searched returns the next top_k hits, "
                                             "numbered on (a search engine's next page)")
+    rank_options: bool = Field(False, description="with link_options: hits that link no option are followed by the "
+                                                  "options in the order the same search ranks them, however deep "
+                                                  "(sparse or phenotype search)")
 
     @model_validator(mode="after")
     def _mode_fits_the_index(self):
@@ -177,6 +180,9 @@ class RetrievalSection(Strict):
         if self.search.mode == "phenotype" and self.kb != "hpo":
             raise ValueError(f"search.mode 'phenotype' ranks the HPO world's diseases; kb is {self.kb!r}, set it to "
                              f"'hpo' or choose another mode")
+        if self.rank_options and not (self.link_options and self.search.mode in ("sparse", "phenotype")):
+            raise ValueError(f"rank_options ranks the options a search links: it needs link_options true and "
+                             f"search.mode sparse or phenotype (not {self.search.mode!r})")
         return self
 
 

@@ -61,37 +61,41 @@ def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter
                                       f"</{grammar.answer_tag}>"}
 
 
-def retrieval_demonstration(task: dict, grammar, hits: list[dict], tokenizer, answer_with: str = "letter",
-                            show: str = "passages", link_options: bool = False,
-                            passage_chars: int | None = None, next_page: list[dict] | None = None) -> dict | None:
-    """Think, query, read, answer; for a diagnosis task only when the gold disease is among the hits shown.
-    `show`, `link_options` and `passage_chars` format the hits as the run's RetrievalEnvironment does. `next_page`:
-    the hits after them, which the expert asks for (the same query again, retrieval.paging) and reads before it
-    answers from whichever of the two pages shows the gold disease."""
-    from actors.retrieval_env import retrieval_text
-    options = task.get("options") if link_options else None
-    pages = [(hits, 0)] + ([(next_page, len(hits))] if next_page is not None else [])
-    observations = [cut_observation(grammar, retrieval_text(page, None, show=show, options=options,
-                                                            passage_chars=passage_chars, first_rank=first), tokenizer)
-                    for page, first in pages]
-    doc_id = (task.get("metadata") or {}).get("kb_doc_id")
-    if doc_id:
-        shown = [h for (page, first), observation in zip(pages, observations)
-                 for h in gold_shown(page, first, observation, doc_id, show, options)]
-        if not shown:  # the gold document was not retrieved, or cut from what the policy would see
-            return None
-        if options and answer_with == "letter":  # the link names the letter: no need to restate the long title
-            thought = f"The knowledge base links option {task['answer']}."
-        else:
-            thought = f"The knowledge base names {shown[0]['title']}" + \
-                (f": option {task['answer']}." if answer_with == "letter" else ".")
-    else:
-        thought = "The retrieved knowledge and the image agree."
+def retrieval_demonstration(task: dict, grammar, environment, result: list[dict], tokenizer,
+                            answer_with: str = "letter", next_page: bool = False) -> dict | None:
+    """Think, query, read, answer. `environment` (the run's RetrievalEnvironment) shows `result`, the search's hits
+    (with the options' ranking, rank_options) as a rollout would. A diagnosis task gets a demonstration only when the
+    policy would see the gold disease: among the hits shown, or first of the options the search ranks when the hits
+    link none. `next_page`: the expert asks for the next page (the same query again, retrieval.paging) and reads it
+    before it answers from whichever of the two shows the gold disease."""
     action, query = grammar.action_tag, expert_query(task)
+    options = task.get("options") if environment.link_options else None
+    doc_id = (task.get("metadata") or {}).get("kb_doc_id")
+    turns, observations, shown, ranked = [], [], [], []
+    for _ in range(2 if next_page else 1):
+        first = environment.page(turns, query) * environment.top_k
+        observation = environment.observation(turns, task.get("options"), query, result, None)
+        turns.append(observation.record)
+        observations.append(seen := cut_observation(grammar, observation.text, tokenizer))
+        page = [h for h in result if not h.get("candidate")][first:first + environment.top_k]
+        shown += gold_shown(page, first, seen, doc_id, environment.show, options) if doc_id else []
+        if observation.record.get("options_ranked") and observation.text.splitlines()[-1] in seen:
+            ranked.append(observation.record["options_ranked"][0])  # the whole ranking line is seen
+    if not doc_id:
+        thought = "The retrieved knowledge and the image agree."
+    elif shown and options and answer_with == "letter":  # the link names the letter: no need to restate the title
+        thought = f"The knowledge base links option {task['answer']}."
+    elif shown:
+        thought = f"The knowledge base names {shown[0]['title']}" + \
+            (f": option {task['answer']}." if answer_with == "letter" else ".")
+    elif ranked and ranked[0] == task["answer"]:
+        thought = f"The search ranks option {task['answer']} first."
+    else:  # the gold document was not retrieved, or cut from what the policy would see
+        return None
     segments = [{"role": "policy", "text": f"<think>What is known about these findings? Look it up.</think>\n"
                                            f"<{action}>{query}</{action}>"},
                 {"role": "environment", "text": observations[0]}]
-    if next_page is not None:
+    if next_page:
         segments += [{"role": "policy", "text": f"<think>Are there more results?</think>\n<{action}>{query}</{action}>"},
                      {"role": "environment", "text": observations[1]}]
     return {"task": task, "segments": segments + [answer_segment(task, grammar, thought, answer_with)]}
@@ -172,15 +176,15 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
                                     answer_with)
     elif grammar.action_tag:
         from actors.retriever import LocalRetriever
-        retriever = LocalRetriever(index_dir, config=cfg.retrieval.search)
-        k = cfg.retrieval.search.top_k
+        from learners.services import retrieval_environment
+        environment = retrieval_environment(cfg, LocalRetriever(index_dir, config=cfg.retrieval.search))
         for start in tqdm(range(0, len(tasks), 64), desc="demonstrations", disable=not progress):
             chunk = tasks[start:start + 64]
-            for task, hits in zip(chunk, retriever.search([expert_query(t) for t in chunk], 2 * k)):
-                again = recheck and rechecks(task, recheck)
-                demo = retrieval_demonstration(task, grammar, hits[:k], tokenizer, answer_with, cfg.retrieval.show,
-                                               cfg.retrieval.link_options, cfg.retrieval.passage_chars,
-                                               next_page=hits[k:] if again else None)
+            results = environment.retriever.search([expert_query(t) for t in chunk], 2 * environment.top_k,
+                                                   [environment.among(t.get("options")) for t in chunk])
+            for task, result in zip(chunk, results):
+                demo = retrieval_demonstration(task, grammar, environment, result, tokenizer, answer_with,
+                                               next_page=bool(recheck and rechecks(task, recheck)))
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:

@@ -78,9 +78,15 @@ def start_environment(cfg, placement: Placement) -> Environment | None:
     if cfg.tools is not None:
         from actors.gym import make_tool_environment
         return make_tool_environment(cfg.tools, retriever)
-    return RetrievalEnvironment(retriever, top_k=cfg.retrieval.search.top_k, timeout_s=cfg.retrieval.timeout_s,
-                                show=cfg.retrieval.show, link_options=cfg.retrieval.link_options,
-                                passage_chars=cfg.retrieval.passage_chars, paging=cfg.retrieval.paging)
+    return retrieval_environment(cfg, retriever)
+
+
+def retrieval_environment(cfg, retriever) -> RetrievalEnvironment:
+    """The run's RetrievalEnvironment over `retriever` (actors, or a LocalRetriever for the scripted expert)."""
+    r = cfg.retrieval
+    return RetrievalEnvironment(retriever, top_k=r.search.top_k, timeout_s=r.timeout_s, show=r.show,
+                                link_options=r.link_options, passage_chars=r.passage_chars, paging=r.paging,
+                                rank_options=r.rank_options)
 
 
 def service_actors(environment: Environment | None, judge) -> dict[str, list]:

@@ -44,7 +44,7 @@ log = logging.getLogger("medray.serve")
 # (vLLM's token prompt, max_tokens, stop strings, seed) -> the generation
 Generate = Callable[[dict, int, list[str], int | None], Awaitable[Generation]]
 # (queries, top_k) -> hits per query, each a dict with at least "id" and "text"
-Search = Callable[[list[str], int], Awaitable[list[list[dict]]]]
+Search = Callable[..., Awaitable[list[list[dict]]]]  # (queries, top_k, among=None) -> hits, as Retriever.search
 # (images, top_k) -> image-caption hits per image, each {id, image_path, caption, score} (indexing.image_index)
 SearchImages = Callable[[list, int], Awaitable[list[list[dict]]]]
 # receives each event of an episode as it happens: {"kind": "model" | "observation" | "cdir", "turn", "text", ...}
@@ -67,7 +67,8 @@ def retrieval_observer(search: Search, environment: RetrievalEnvironment, timeou
     page), the text shown and the turn's record, with `options` the question's {letter: text}; the search is
     `search`. A failed search is an observation the model reads, not a failed request."""
     async def observe(query: str, turns: list[dict]) -> Observation:
-        hits, error = await _search(search, query, environment.depth(turns, query), timeout_s)
+        hits, error = await _search(search, query, environment.depth(turns, query), timeout_s,
+                                    environment.among(options))
         return environment.observation(turns, options, query, hits, error)
     return observe
 
@@ -213,13 +214,15 @@ async def _reanswer(first: AgentResult, cdir: Cdir, generate: Generate, tokenize
                        written + len(generation.ids), first.turns, first.confidence, record)
 
 
-async def _search(search: Search, query: str, top_k: int, timeout_s: float) -> tuple[list[dict] | None, str | None]:
-    """The hits, or the error the model is shown instead (as in training: it can go on without them)."""
+async def _search(search: Search, query: str, top_k: int, timeout_s: float,
+                  among: list[str] | None = None) -> tuple[list[dict] | None, str | None]:
+    """The hits (then the candidates `among` names), or the error the model is shown instead (as in training: it can
+    go on without them)."""
     if not query:
         return None, "empty query"
     try:
-        hits = (await asyncio.wait_for(search([query], top_k), timeout_s))[0]
-        return hits[:top_k], None
+        asked = search([query], top_k, [among]) if among else search([query], top_k)
+        return (await asyncio.wait_for(asked, timeout_s))[0], None
     except asyncio.TimeoutError:
         return None, "timeout"
     except Exception as e:  # noqa: BLE001  a failed retriever gives an observation, not a failed request

@@ -270,8 +270,9 @@ class ChatServer:
                 seq = output.outputs[0]
             return Generation.from_vllm(seq)
 
-        async def search(queries: list[str], top_k: int) -> list[list[dict]]:
-            return await self.retriever.search.remote(queries, top_k)
+        async def search(queries: list[str], top_k: int, among: list[list[str] | None] | None = None) \
+                -> list[list[dict]]:
+            return await self.retriever.search.remote(queries, top_k, among)
 
         async def search_images(images: list, top_k: int) -> list[list[dict]]:
             return await self.image_retriever.search.remote(images, top_k)

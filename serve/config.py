@@ -80,6 +80,8 @@ class AgentSettings(Strict):
                                                               "the run's retrieval.passage_chars")
     paging: bool | None = Field(None, description="a repeated query returns the next top_k hits; none: the run's "
                                                   "retrieval.paging")
+    rank_options: bool | None = Field(None, description="hits linking no option are followed by the options in the "
+                                                        "search's order; none: the run's retrieval.rank_options")
     retrieval_timeout_s: float = Field(30.0, gt=0)
     image_index_dir: str | None = Field(
         None, description="CDIR's image-caption index (python -m indexing.image_index): with a multimodal checkpoint, "
@@ -155,7 +157,7 @@ def agent_from_run(agent: AgentSettings, run: dict | None) -> AgentSettings:
         "grammar": agent.grammar or (Grammar.model_validate(grammar) if grammar else default_grammar), **shown})
 
 
-SHOWN = ("show", "link_options", "passage_chars", "paging")  # the retrieval section's presentation keys
+SHOWN = ("show", "link_options", "passage_chars", "paging", "rank_options")  # the retrieval section's presentation keys
 
 
 def retrieval_environment(agent: AgentSettings, top_k: int):

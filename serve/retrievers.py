@@ -33,8 +33,8 @@ class RetrieverServer:
         self.retriever = (ShardedRetriever(index_dir, threads=threads, config=retrieval) if sharded
                           else LocalRetriever(index_dir, config=retrieval))
 
-    def search(self, queries: list[str], top_k: int) -> list[list[dict]]:
-        return self.retriever.search(queries, top_k)
+    def search(self, queries: list[str], top_k: int, among: list[list[str] | None] | None = None) -> list[list[dict]]:
+        return self.retriever.search(queries, top_k, among)
 
     def ready(self) -> bool:
         """Answered once the index is loaded (the constructor has returned)."""

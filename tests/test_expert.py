@@ -130,3 +130,57 @@ def test_expert_recheck_needs_paging():
     from learners.config import ConfigError
     with pytest.raises(ConfigError, match="sft.expert_recheck needs sft.data expert and retrieval.paging"):
         load_config("configs/quickstart.yaml", ["stages.0.sft.expert_recheck=0.25"])
+
+
+def test_options_ranked_by_the_search_follow_hits_that_link_none():
+    """retrieval.rank_options: hits linking no option are followed by the options in the search's order (its
+    candidates); hits linking one are shown as before."""
+    from actors.episode import Episode
+    from actors.retrieval_env import RetrievalEnvironment
+
+    env = RetrievalEnvironment(None, top_k=2, show="titles", link_options=True, rank_options=True)
+    episode = Episode(task={"options": {"A": "Gout", "B": "Asthma", "C": "Rickets"}}, group=0, seed=0, prompt_ids=[])
+    candidates = [{"id": "r#0", "title": "Rickets", "text": "", "candidate": True},
+                  {"id": "g#0", "title": "Gout", "text": "", "candidate": True}]
+    unlinked = env.observe(episode, "q", [{"id": "x#0", "title": "Lupus", "text": ""}] + candidates, None)
+    assert unlinked.text == "[1] Lupus\nNo option is among these results; the search ranks the options C, A."
+    assert unlinked.record["options_ranked"] == ["C", "A"] and unlinked.record["linked"] == []
+    linked = env.observe(episode, "q", [{"id": "g#0", "title": "Gout", "text": ""}] + candidates, None)
+    assert linked.text == "[1] Gout (option A)" and "options_ranked" not in linked.record
+    assert env.observe(episode, "q", [], None).text == \
+        "no results\nNo option is among these results, and the search matches none of them."
+    assert env.among(episode.task["options"]) == ["Gout", "Asthma", "Rickets"] and env.among(None) is None
+
+
+def test_the_expert_answers_from_the_options_ranking_when_no_hit_links_the_gold(tiny_model_path, tmp_path):
+    """With rank_options the expert also demonstrates tasks whose gold option no hit links but the search ranks
+    first of the options, reading exactly what RetrievalEnvironment shows a rollout."""
+    from actors.episode import Episode
+    from learners.services import retrieval_environment
+    from actors.retriever import LocalRetriever
+    from indexing.build_index import default_index_dir
+    from transformers import AutoTokenizer
+
+    overrides = ["retrieval.show=titles", "retrieval.link_options=true", "retrieval.rank_options=true"]
+    cfg = load_config("configs/tiny.yaml", overrides)
+    plain = write_demonstrations(load_config("configs/tiny.yaml", overrides[:2]), "hpo:mcq_train",
+                                 tmp_path / "plain.jsonl", limit=100, progress=False)
+    out = tmp_path / "demos.jsonl"
+    report = write_demonstrations(cfg, "hpo:mcq_train", out, limit=100, progress=False)
+    demos = read_demonstrations(out)
+    ranked = [d for d in demos if "The search ranks option" in d["segments"][-1]["text"]]
+    assert report["demonstrations"] == plain["demonstrations"] + len(ranked) and ranked
+
+    g, r = cfg.rollout.grammar, cfg.retrieval
+    env = retrieval_environment(cfg, LocalRetriever(default_index_dir(r.kb, r.index.kind, r.shards), config=r.search))
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    for demo in ranked[:5]:
+        task, (ask, observed, answer) = demo["task"], demo["segments"]
+        query = ask["text"].split("<query>")[1].split("</query>")[0]
+        result = env.retriever.search([query], r.search.top_k, [env.among(task["options"])])[0]
+        shown = env.observe(Episode(task=task, group=0, seed=0, prompt_ids=[]), query, result, None).text
+        full = tok.encode(g.wrap_observation(shown), add_special_tokens=False)
+        assert observed["text"] == tok.decode(full[:g.max_observation_tokens], skip_special_tokens=False)
+        assert "(option" not in observed["text"]
+        assert f"the search ranks the options {task['answer']}" in observed["text"]
+        assert answer["text"].endswith(f"<answer>{task['answer']}</answer>")

@@ -116,3 +116,34 @@ def test_each_shard_ranks_the_diseases_it_holds(tmp_path):
     found = [LocalRetriever(shard, config={"mode": "phenotype"}).search(["Multiple cafe-au-lait spots"])[0]
              for shard in sorted((tmp_path / "index").glob("shard-*"))]
     assert [[h["doc_id"] for h in hits] for hits in found] == [["disease:OMIM:162200"], []]
+
+
+@pytest.mark.parametrize("mode", ["phenotype", "sparse"])
+def test_a_search_among_the_options_ranks_them_however_deep_in_the_order_of_the_whole_ranking(hpo_index, mode):
+    query = "Microcephaly; Global developmental delay; Infantile spasms; Hypsarrhythmia"
+    retriever = LocalRetriever(hpo_index, config={"mode": mode, "top_k": 3})
+    ranked = retriever.search([query], 3000)[0]
+    deep = [h["title"] for h in ranked]
+    options = [deep[2500], deep[40], "No such disease", deep[700]]
+    hits = retriever.search([query, query], 3, [options, None])
+    assert [h for h in hits[0] if not h.get("candidate")] == hits[1]  # the hits as a search without candidates
+    assert [h["score"] for h in hits[1]] == [h["score"] for h in ranked[:3]]
+    # the named documents the search scores, in its order, after the top 3; unknown titles drop out
+    assert [h["title"] for h in hits[0] if h.get("candidate")] == [deep[40], deep[700], deep[2500]]
+    assert retriever.search([query], 3, [options]) == [hits[0]]  # cached with its candidates, not without
+
+
+def test_shards_merge_their_candidates_after_the_global_top_k():
+    from actors.retriever import merge_shard_results
+    hit = lambda id_, score, candidate=False: {"id": id_, "score": score, **({"candidate": True} if candidate else {})}
+    shard1 = [[hit("a", 5.0), hit("b", 4.0), hit("x", 0.5, True)]]
+    shard2 = [[hit("c", 4.5), hit("y", 1.0, True)]]
+    assert [h["id"] for h in merge_shard_results([shard1, shard2], 2)[0]] == ["a", "c", "y", "x"]
+
+
+def test_candidates_need_sparse_or_phenotype_search():
+    from learners.config import RetrievalSection
+    with pytest.raises(ValueError, match="rank_options ranks the options a search links: it needs link_options"):
+        RetrievalSection(rank_options=True)
+    with pytest.raises(ValueError, match=r"search.mode sparse or phenotype \(not 'dense'\)"):
+        RetrievalSection(rank_options=True, link_options=True, index={"kind": "flat"}, search={"mode": "dense"})
