@@ -100,7 +100,9 @@ def option_links(mcq: list) -> dict:
     `linked` letters (retrieval.link_options; nothing when no turn has them): `gold_linked`, whether any search's hits
     were marked "(option X)" for the gold X; `gold_linked_first`, whether the first search's were; and accuracy split
     by the latter, `accuracy_first_linked` and `accuracy_first_unlinked` (an episode that never searched is unlinked;
-    a split with no episode is left out). Each a proportion with its Wilson interval and n."""
+    a split with no episode is left out). Where the first search's hits linked none and the options' ranking followed
+    (retrieval.rank_options): `gold_ranked_first`, whether it ranked the gold option first, and the accuracy of
+    those that did, `accuracy_gold_ranked_first`. Each a proportion with its Wilson interval and n."""
     from rewards.builtin import answer_correct
 
     if not any("linked" in turn for t in mcq for turn in t.turns):
@@ -110,7 +112,11 @@ def option_links(mcq: list) -> dict:
     correct = [answer_correct(t) for t in mcq]
     split = {"accuracy_first_linked": [c for c, f in zip(correct, first) if f],
              "accuracy_first_unlinked": [c for c, f in zip(correct, first) if not f]}
+    ranked = [(t.turns[0]["options_ranked"][0] == t.task["answer"].strip().upper(), c) for t, c in zip(mcq, correct)
+              if t.turns and t.turns[0].get("options_ranked")]
+    split["accuracy_gold_ranked_first"] = [c for gold_first, c in ranked if gold_first]
     return {"gold_linked": proportion([any(turns) for turns in gold]), "gold_linked_first": proportion(first),
+            **({"gold_ranked_first": proportion([g for g, _ in ranked])} if ranked else {}),
             **{k: proportion(v) for k, v in split.items() if v}}
 
 

@@ -20,7 +20,7 @@ from learners.judge_eval import judge_open_answers
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
 LOGGED = ("accuracy", "top3_accuracy", "closed_accuracy", "judge_accuracy", "judge_parse_failures", "format_rate",
           "gold_retrieved", "env_calls_per_sample", "response_length", "gold_linked", "gold_linked_first",
-          "accuracy_first_linked", "accuracy_first_unlinked")
+          "accuracy_first_linked", "accuracy_first_unlinked", "gold_ranked_first", "accuracy_gold_ranked_first")
 
 log = logging.getLogger("medray.eval")
 

@@ -184,6 +184,18 @@ def test_the_gold_option_link_rates_and_the_accuracy_split_by_the_first_search()
     assert option_links([searched("B", None)]) == {}
     metrics = score(episodes, [SUMMARY])
     assert metrics["gold_linked"] == links["gold_linked"] and metrics["accuracy"]["n"] == 4
+    assert "gold_ranked_first" not in links
+
+
+def test_how_often_the_options_ranking_put_the_gold_first_and_the_accuracy_when_it_did():
+    from learners.evaluate import option_links
+
+    episodes = [searched("B", [[]]), searched("A", [[]]), searched("C", [[]]), searched("B", [["B"]])]
+    for episode, ranking in zip(episodes, (["B", "A"], ["B"], ["C", "B"])):  # the first three linked none
+        episode.turns[0]["options_ranked"] = ranking
+    links = option_links(episodes)
+    assert (links["gold_ranked_first"]["mean"], links["gold_ranked_first"]["n"]) == (pytest.approx(2 / 3), 3)
+    assert (links["accuracy_gold_ranked_first"]["mean"], links["accuracy_gold_ranked_first"]["n"]) == (0.5, 2)
 
 
 def test_the_closing_report_says_what_the_last_stage_added_and_how_the_agent_searched(tmp_path):
