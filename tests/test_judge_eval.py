@@ -120,24 +120,3 @@ def test_evaluate_with_the_judge_on_open_questions(ray_session, tiny_model_path,
     assert judged["correct"] + judged["incorrect"] + judged["parse_failures"] + judged["unanswered"] == 4
     assert report["judge_parse_failures"] == judged["parse_failures"]
     assert "| judge_accuracy |" in (out / "eval.md").read_text()
-
-
-@pytest.mark.slow
-def test_a_run_with_eval_judge_logs_judge_accuracy(ray_session, tmp_path):
-    """Med-R3's tiny run (its judge is the tiny vLLM one) evaluates at its end with the run's JudgeActor."""
-    from test_recipe_smoke import SMALL, stage_overrides
-
-    from learners.trainer import Trainer
-    cfg = load_config("configs/med_r3.yaml")
-    cfg = load_config("configs/med_r3.yaml", [f"output_dir={tmp_path / 'run'}", *SMALL, *stage_overrides(cfg),
-                                              "eval.data=[hpo:open_test]", "eval.limit=3", "eval.at_start=false",
-                                              "eval.judge=true"])
-    Trainer(cfg).fit()
-    last = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
-    assert 0 <= last["eval/hpo:open_test/judge_accuracy_low"] <= last["eval/hpo:open_test/judge_accuracy"] <= 1
-    assert last["eval/hpo:open_test/judge_parse_failures"] >= 0
-    report = json.loads((tmp_path / "run" / "eval" / f"step_{cfg.total_steps}" / "hpo_open_test" / "eval.json")
-                        .read_text())
-    judged = report["judge_accuracy"]
-    assert judged["n"] == 3 == judged["correct"] + judged["incorrect"] + judged["parse_failures"] + \
-        judged["unanswered"]

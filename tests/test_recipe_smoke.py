@@ -1,5 +1,6 @@
 """A short real run of every tiny recipe config: each stage for one step, every actor the recipe names (retrievers,
-judge, tool actors, the multimodal policy), on the local Ray."""
+judge, tool actors, the multimodal policy), on the local Ray; Med-R3's also evaluates its open answers with the run's
+judge at its end."""
 import json
 
 import pytest
@@ -15,6 +16,8 @@ SMALL = ["rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_
 
 #: What each recipe's plugin (recipes/) adds to the metrics of a GRPO step, in at least one step of the run.
 PLUGIN_METRIC = {"med_rwr": "med_rwr/probed", "med_r3": "judge/calls", "medvr": "evr/branch_budget"}
+#: Med-R3's run also evaluates its open answers at its end with the run's JudgeActor (its tiny vLLM judge).
+JUDGED_EVAL = ["eval.data=[hpo:open_test]", "eval.limit=3", "eval.at_start=false", "eval.judge=true"]
 
 
 def stage_overrides(cfg) -> list[str]:
@@ -28,7 +31,8 @@ def stage_overrides(cfg) -> list[str]:
 @pytest.mark.parametrize("recipe", ["med_rwr", "med_r3", "armed", "medvr", "medvistagym"])
 def test_recipe_runs_every_stage(ray_session, tmp_path, recipe):
     path = f"configs/{recipe}.yaml"
-    overrides = [f"output_dir={tmp_path / 'run'}", *SMALL, *stage_overrides(load_config(path))]
+    overrides = [f"output_dir={tmp_path / 'run'}", *SMALL, *stage_overrides(load_config(path)),
+                 *(JUDGED_EVAL if recipe == "med_r3" else [])]
     if recipe == "medvistagym":  # its cold start reads scripted tool demonstrations
         from learners.expert import write_demonstrations
         demos = tmp_path / "demos.jsonl"
@@ -46,3 +50,12 @@ def test_recipe_runs_every_stage(ray_session, tmp_path, recipe):
         assert any(PLUGIN_METRIC[cfg.recipe.name] in h for h in grpo)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [h["step"] for h in history]
+    if recipe == "med_r3":  # the judge's verdicts are arbitrary on tiny weights: every open answer counted once
+        last = json.loads(lines[-1])
+        assert 0 <= last["eval/hpo:open_test/judge_accuracy_low"] <= last["eval/hpo:open_test/judge_accuracy"] <= 1
+        assert last["eval/hpo:open_test/judge_parse_failures"] >= 0
+        report = json.loads((tmp_path / "run" / "eval" / f"step_{cfg.total_steps}" / "hpo_open_test" / "eval.json")
+                            .read_text())
+        judged = report["judge_accuracy"]
+        assert judged["n"] == 3 == judged["correct"] + judged["incorrect"] + judged["parse_failures"] + \
+            judged["unanswered"]
