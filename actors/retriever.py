@@ -200,7 +200,8 @@ class LocalRetriever:
         """
         top_k = top_k or self.config.top_k
         self.queries_served += len(queries)
-        keys = [(q, top_k, tuple(titles) if titles else None) for q, titles in zip(queries, among or [None] * len(queries))]
+        keys = [(q, top_k, tuple(titles) if titles else None)
+                for q, titles in zip(queries, among or [None] * len(queries))]
         results = {key: self.cache.get(key) for key in dict.fromkeys(keys)}
         missing = [key for key, hits in results.items() if hits is None]
         if missing:
