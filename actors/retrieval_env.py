@@ -84,6 +84,10 @@ class RetrievalEnvironment(Environment):
         query = " ".join(action.lower().split())
         return sum(" ".join((t.get("query") or "").lower().split()) == query for t in turns)
 
+    def page_hits(self, result: list[dict], first: int) -> list[dict]:
+        """The hits of a search `result` shown on the page that starts at rank `first` (its candidates aside)."""
+        return [d for d in result if not d.get("candidate")][first:first + self.top_k]
+
     def depth(self, turns: list[dict], action: str) -> int:
         """How many hits to search for `action` so that its current page is among them."""
         return self.top_k * (1 + self.page(turns, action))
@@ -106,7 +110,7 @@ class RetrievalEnvironment(Environment):
         multiple-choice question's {letter: text}, or None): what training and serving both show and record."""
         first = self.page(turns, action) * self.top_k
         candidates = [d for d in result or [] if d.get("candidate")]
-        hits = [d for d in result if not d.get("candidate")][first:first + self.top_k] if result is not None else None
+        hits = self.page_hits(result, first) if result is not None else None
         record = {"query": action, "error": error,
                   "chunks": [{"id": d["id"], "doc_id": d.get("doc_id"), "text": d["text"]} for d in hits or []]}
         if self.paging:

@@ -92,6 +92,18 @@ def merge_shard_results(per_shard: list[list[list[dict]]], top_k: int) -> list[l
     return merged
 
 
+def top_rows(scores: np.ndarray, depth: int, rows: np.ndarray | None = None) -> Ranking:
+    """The `depth` best rows scoring above 0, best first: of `scores` (one per row), or only of `rows`."""
+    candidates = scores if rows is None else scores[rows]
+    depth = min(depth, len(candidates))
+    if depth == 0:
+        return []
+    top = np.argpartition(-candidates, depth - 1)[:depth] if depth < len(candidates) else np.arange(len(candidates))
+    top = top[np.argsort(-candidates[top], kind="stable")]
+    ids = top if rows is None else rows[top]
+    return [(int(r), float(candidates[i])) for i, r in zip(top, ids) if candidates[i] > 0]
+
+
 class LRUCache:
     """A bounded mapping that forgets the least recently used entry."""
 
@@ -205,10 +217,10 @@ class LocalRetriever:
         results = {key: self.cache.get(key) for key in dict.fromkeys(keys)}
         missing = [key for key, hits in results.items() if hits is None]
         if missing:
-            found = self._search([q for q, _, _ in missing], top_k)
+            found = self._search([q for q, _, _ in missing], top_k, [titles for _, _, titles in missing])
             for key, hits in zip(missing, found):
-                results[key] = hits + (self._candidates(key[0], key[2]) if key[2] else [])
-                self.cache.put(key, results[key])
+                results[key] = hits
+                self.cache.put(key, hits)
         return [[dict(hit) for hit in results[key]] for key in keys]
 
     def stats(self) -> dict:
@@ -216,19 +228,18 @@ class LocalRetriever:
         return {"chunks": len(self.docs), "shard": self.manifest.get("shard"), "queries": self.queries_served,
                 "cache_hits": self.cache.hits, "cache_misses": self.cache.misses}
 
-    def _search(self, queries: list[str], top_k: int) -> list[list[dict]]:
+    def _search(self, queries: list[str], top_k: int, among: list[tuple[str, ...] | None]) -> list[list[dict]]:
         mode, config = self.config.mode, self.config
         k = min(top_k, len(self.docs))
         depth = min(max(k, config.candidates), len(self.docs)) if mode == "hybrid" else k
-        if mode == "dense":
+        by_rows = mode in ("sparse", "phenotype")  # one score per chunk row: the hits and the candidates read it
+        if any(among) and not by_rows:
+            raise ValueError(f"candidates (among) are ranked by sparse or phenotype search, not {mode!r}")
+        scored = [self._row_scores(query) for query in queries] if by_rows else [(None, None)] * len(queries)
+        if by_rows:
+            rankings = [top_rows(scores, depth, rows) for scores, rows in scored]
+        elif mode == "dense":
             rankings = self._dense(queries, depth)
-        elif mode == "sparse":
-            rankings = self._sparse(queries, depth)
-        elif mode == "phenotype":
-            rankings = [self._by_phenotypes(query, depth) for query in queries]
-            unnamed = [i for i, ranking in enumerate(rankings) if ranking is None]
-            for i, ranking in zip(unnamed, self._sparse([queries[i] for i in unnamed], depth)):
-                rankings[i] = ranking
         else:
             pairs = zip(self._dense(queries, depth), self._sparse(queries, depth))
             if config.fusion == "rrf":
@@ -236,19 +247,17 @@ class LocalRetriever:
             else:
                 weights = [config.dense_weight, 1 - config.dense_weight]
                 rankings = [weighted_fusion(list(pair), weights) for pair in pairs]
-        return [self._hits(ranking, k) for ranking in rankings]
+        hits = [self._hits(ranking, k) for ranking in rankings]
+        return [found + (self._candidates(scores, titles) if titles else [])
+                for found, (scores, _), titles in zip(hits, scored, among)]
 
-    def _candidates(self, query: str, titles: tuple[str, ...]) -> list[dict]:
-        """The best chunk of each document titled one of `titles` (compared as `name_key`s) that `query` scores
-        above 0, as candidate hits, best first."""
-        if self.config.mode not in ("sparse", "phenotype"):
-            raise ValueError(f"candidates (among) are ranked by sparse or phenotype search, not {self.config.mode!r}")
+    def _candidates(self, scores: np.ndarray, titles: tuple[str, ...]) -> list[dict]:
+        """The best chunk of each document titled one of `titles` (compared as `name_key`s) that scores above 0
+        (`scores`: one per chunk row), as candidate hits, best first."""
         if self.title_rows is None:
             self.title_rows = {}
             for row in range(len(self.docs)):
                 self.title_rows.setdefault(name_key(self.docs[row]["title"]), []).append(row)
-        scores = self._phenotype_row_scores(query) if self.config.mode == "phenotype" else None
-        scores = self._sparse_row_scores(query) if scores is None else scores
         ranking = []
         for rows in dict.fromkeys(tuple(self.title_rows.get(name_key(t), ())) for t in titles):
             best = max(rows, key=lambda r: scores[r], default=None)
@@ -256,17 +265,18 @@ class LocalRetriever:
                 ranking.append((best, float(scores[best])))
         return [{**hit, "candidate": True} for hit in self._hits(ranking, len(ranking))]
 
-    def _sparse_row_scores(self, query: str) -> np.ndarray:
+    def _row_scores(self, query: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """Every chunk row's score for `query` by the sparse or phenotype search (a query naming no phenotype:
+        sparse), and the rows that can score (None: all of them)."""
+        if self.config.mode == "phenotype" and (scores := self.phenotypes.scores(query)) is not None:
+            by_row = np.zeros(len(self.docs), dtype=np.float32)
+            by_row[self.disease_rows] = scores
+            return by_row, self.disease_rows
+        return self._sparse_scores(query), None
+
+    def _sparse_scores(self, query: str) -> np.ndarray:
         token_ids = self.bm25.get_tokens_ids(bm25_tokenize([query])[0])
         return self.bm25.get_scores_from_ids(token_ids) if token_ids else np.zeros(len(self.docs))
-
-    def _phenotype_row_scores(self, query: str) -> np.ndarray | None:
-        scores = self.phenotypes.scores(query)
-        if scores is None:
-            return None
-        by_row = np.zeros(len(self.docs), dtype=np.float32)
-        by_row[self.disease_rows] = scores
-        return by_row
 
     def _dense(self, queries: list[str], depth: int) -> list[Ranking]:
         vectors = self.encoder.encode(queries, batch_size=self.config.query_batch_size)
@@ -274,17 +284,7 @@ class LocalRetriever:
         return [[(int(r), float(s)) for r, s in zip(row, score) if r >= 0] for row, score in zip(rows, scores)]
 
     def _sparse(self, queries: list[str], depth: int) -> list[Ranking]:
-        rankings = []
-        for tokens in bm25_tokenize(queries):
-            token_ids = self.bm25.get_tokens_ids(tokens)
-            if not token_ids:
-                rankings.append([])
-                continue
-            scores = self.bm25.get_scores_from_ids(token_ids)
-            top = np.argpartition(-scores, depth - 1)[:depth] if depth < len(scores) else np.arange(len(scores))
-            top = top[np.argsort(-scores[top], kind="stable")]
-            rankings.append([(int(r), float(scores[r])) for r in top if scores[r] > 0])
-        return rankings
+        return [top_rows(self._sparse_scores(query), depth) for query in queries]
 
     def _phenotype_search(self):
         """The HPO world's phenotype similarity over the diseases this index holds, and each one's first chunk row."""
@@ -300,18 +300,6 @@ class LocalRetriever:
                              f"index holds no disease:<id> document; index the HPO knowledge base (kb 'hpo')")
         rows = np.array([first_row[f"disease:{similarity.disease_ids[i]}"] for i in held], dtype=np.int64)
         return similarity.restricted_to(held), rows
-
-    def _by_phenotypes(self, query: str, depth: int) -> Ranking | None:
-        """The diseases sharing information with the query's phenotypes, best first; None when it names none."""
-        scores = self.phenotypes.scores(query)
-        if scores is None:
-            return None
-        depth = min(depth, len(scores))
-        if depth == 0:
-            return []
-        top = np.argpartition(-scores, depth - 1)[:depth]
-        top = top[np.argsort(-scores[top], kind="stable")]
-        return [(int(self.disease_rows[i]), float(scores[i])) for i in top if scores[i] > 0]
 
     def _hits(self, ranking: Ranking, k: int) -> list[dict]:
         """Ranked rows -> hit dicts; ties at equal score ordered by chunk id (what merge_shard_results does too)."""

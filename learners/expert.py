@@ -77,7 +77,7 @@ def retrieval_demonstration(task: dict, grammar, environment, result: list[dict]
         observation = environment.observation(turns, task.get("options"), query, result, None)
         turns.append(observation.record)
         observations.append(seen := cut_observation(grammar, observation.text, tokenizer))
-        page = [h for h in result if not h.get("candidate")][first:first + environment.top_k]
+        page = environment.page_hits(result, first)
         shown += gold_shown(page, first, seen, doc_id, environment.show, options) if doc_id else []
         if observation.record.get("options_ranked") and observation.text.splitlines()[-1] in seen:
             ranked.append(observation.record["options_ranked"][0])  # the whole ranking line is seen
