@@ -9,7 +9,9 @@ shipped) at 8 prompts x 4 samples = 32 samples a step (dynamic sampling off: one
   shipped         the quickstart's learner as configured (compute_dtype auto: bfloat16 autocast where the CPU
                   multiplies it natively, AVX512-BF16 or AMX, else float32)
   zero1           ZeRO stage 1: gradients reduced once per optimizer step instead of after every micro-batch
+  released        every page a rank frees goes back to the kernel at once (learner.keep_freed_memory=false)
   checkpointing   activation checkpointing (learner.gradient_checkpointing)
+  checkpointing_released  both
   zero3_checkpointing  ZeRO stage 3 (weights partitioned across the ranks too, gathered layer by layer) and
                   activation checkpointing
   tokens          micro-batches cut at 4096 tokens instead of 4 sequences (learner.max_tokens_per_micro_batch)
@@ -25,9 +27,9 @@ beside the variant's tolerance; startup_s is the set-up before step 1 (Ray, acto
 JSON. Memory: the peak resident size of a learner rank, the rollout worker and the reward actor over the whole run,
 sampled from /proc every 0.5 s by actor name (so code without `memory/*` metrics is measured the same way), beside
 the largest per-step peak the run itself logged (`memory/learner_peak_gb`) and what a rank held between steps
-(`memory/learner_resident_gb`, its tensors' share `memory/learner_tensors_gb`, the process before any weights
-`memory/learner_process_gb`); mismatch: the engine-vs-learner KL per
-token and the largest ratio (`mismatch/*`) where logged.
+(`memory/learner_resident_gb`; the object store's pages in it `memory/learner_shared_gb`, its tensors' share
+`memory/learner_tensors_gb`, the process before any weights `memory/learner_process_gb`); mismatch: the
+engine-vs-learner KL per token and the largest ratio (`mismatch/*`) where logged.
 With --probe, the learner's tokens per second a rank (first variant) beside a plain-torch forward and backward of the
 same model on one thread, the gap between them named. Targets: a 32-sample step <= 45 s with sync <= 3% of it, a
 learner rank <= 3 GB. Writes
@@ -47,7 +49,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = {"shipped": [], "zero1": ["learner.zero_stage=1"],
+            "released": ["learner.keep_freed_memory=false"],
             "checkpointing": ["learner.gradient_checkpointing=true"],
+            "checkpointing_released": ["learner.gradient_checkpointing=true", "learner.keep_freed_memory=false"],
             "zero3_checkpointing": ["learner.zero_stage=3", "learner.gradient_checkpointing=true"],
             "tokens": ["learner.max_tokens_per_micro_batch=4096"],
             "engine_bf16_tis": ["rollout.dtype=bfloat16", "algorithm.rollout_correction.kind=tis"],
@@ -133,6 +137,7 @@ def main() -> None:
         mean = {k: statistics.mean(r[k] for r in timed) for k in ("step_s", "generate_s", "train_s", "sync_s",
                                                                   "sync_mb")}
         logged = {k: max(r[k] for r in history) for k in ("memory/learner_peak_gb", "memory/learner_resident_gb",
+                                                          "memory/learner_shared_gb",
                                                           "memory/learner_tensors_gb", "memory/learner_process_gb",
                                                           "mismatch/max_ratio")
                   if k in history[0]}

@@ -27,25 +27,27 @@ def pin_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def allocator_env() -> dict[str, str]:
-    """Environment for a process that should allocate with jemalloc (the copy Ray ships in ray/core/), keeping the
-    pages it frees, for actors whose tensors are large and short-lived (learner ranks on CPU); {} where Ray ships none
-    or another allocator is preloaded already. Libraries preloaded for another reason stay preloaded after it.
+def allocator_env(keep_freed: bool = True) -> dict[str, str]:
+    """Environment for a process that should allocate with jemalloc (the copy Ray ships in ray/core/), for actors
+    whose tensors are large and short-lived (learner ranks on CPU); {} where Ray ships none or another allocator is
+    preloaded already. Libraries preloaded for another reason stay preloaded after it.
 
-    glibc hands every freed block above its mmap threshold (32 MB at most) back to the kernel, and jemalloc with its
-    default decay purges them too, so each micro-batch's logits and activations are page-faulted in again, zeroed
-    by the kernel. With purging off (`dirty_decay_ms:-1`) freed pages are reused, and the process returns them when
-    it calls :func:`release_freed_memory` (left alone, its resident size kept growing). Set it before the process
-    starts (an actor's runtime_env): the path is this machine's Ray, which a cluster's nodes share when they run one
-    image."""
+    `keep_freed`: purging off (`dirty_decay_ms:-1`), so freed pages are reused instead of page-faulted in again,
+    zeroed by the kernel, for each micro-batch (glibc returns every freed block above its mmap threshold, 32 MB at
+    most, and jemalloc's default decay purges too); the process returns them when it calls
+    :func:`release_freed_memory`. The price: a peak above what is ever alive at once, pages freed by tensors of one
+    size waiting for another. Otherwise every freed page goes back at once (`dirty_decay_ms:0`): the lowest peak.
+    Set it before the process starts (an actor's runtime_env): the path is this machine's Ray, which a cluster's
+    nodes share when they run one image."""
     import ray
     lib = Path(ray.__file__).parent / "core" / "libjemalloc.so"
     preloaded = os.environ.get("LD_PRELOAD", "")
     if sys.platform != "linux" or not lib.is_file() or "malloc" in preloaded:
         return {}
+    decay = -1 if keep_freed else 0
     # jemalloc first: the first preloaded library that defines malloc is the one every allocation goes to
     return {"LD_PRELOAD": ":".join(filter(None, [str(lib), preloaded])),
-            "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+            "MALLOC_CONF": f"dirty_decay_ms:{decay},muzzy_decay_ms:{decay}"}
 
 
 def release_freed_memory() -> None:
@@ -66,6 +68,19 @@ def resident_gb() -> float:
         pass
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def shared_gb() -> float:
+    """The shared-memory pages in this process's resident size (RssShmem, Linux; else 0), in GB: with Ray, the
+    object store's pages it wrote or read (a weight sync's objects), which the node holds once however many
+    processes map them."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return 0.0
 
 
 def tensors_gb() -> float:

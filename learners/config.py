@@ -133,6 +133,10 @@ class LearnerConfig(Strict):
     mini_batch_size: int | None = Field(None, ge=1, description="sequences (all ranks) per optimizer step of GRPO; "
                                                                  "null: one step per rollout batch")
     gradient_checkpointing: bool = False
+    keep_freed_memory: bool = Field(
+        True, description="CPU ranks keep the pages their tensors free for the next micro-batch (faster; the peak "
+                          "then exceeds what is alive at once); false returns them at once: the lowest peak, each "
+                          "page faulted in again")
     compute_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="dtype of the learner's forward and backward (torch.autocast); weights, gradients and "
                                "optimizer state stay in model.dtype. bfloat16 pays off on GPUs and on CPUs with "

@@ -62,7 +62,7 @@ class LearnerGroup:
     def __init__(self, cfg, placement, model_path: str, resume_from=None, resume_source: str | None = None):
         res = cfg.cluster.learner
         self.cfg = cfg
-        allocator = {"runtime_env": {"env_vars": env}} if (env := allocator_env()) else {}
+        allocator = {"runtime_env": {"env_vars": env}} if (env := allocator_env(cfg.learner.keep_freed_memory)) else {}
         self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}"),
                                             **allocator).remote(i, res.num, res.threads) for i in range(res.num)]
         master = self._all([self.ranks[0].address.remote()], "start", [0])[0]

@@ -14,7 +14,8 @@ import torch
 
 from actors.image_tokens import ImageTokens
 from cluster.devices import (accelerator, fast_bfloat16, init_deepspeed_distributed, peak_memory_gb, pin_threads,
-                             release_freed_memory, reset_peak_memory, resident_gb, resolve_compute_dtype, tensors_gb)
+                             release_freed_memory, reset_peak_memory, resident_gb, resolve_compute_dtype, shared_gb,
+                             tensors_gb)
 from cluster.storage import Storage, split_checkpoint_uri, upload_share
 from learners import algorithm as algo
 from learners.batches import (deal_micro_batches, forward_logp, image_inputs, load_causal_lm, lr_lambda, micro_batch,
@@ -119,9 +120,11 @@ class LearnerWorker:
         """`passes` over the batch, one optimizer step per mini-batch, with the GRPO objective (rollouts and their
         advantages) or the SFT one (demonstrations); each rank trains on its share of every mini-batch
         (`deal_micro_batches`). Returns sums for exact aggregation, this rank's peak memory, and what it held as the
-        call began: its resident size, its tensors' and its process's before the model was loaded (`held_gb`)."""
+        call began: its resident size, the object store's share of it, its tensors' and its process's before the
+        model was loaded (`held_gb`)."""
         start = time.perf_counter()
-        held = {"resident_gb": resident_gb(), "tensors_gb": tensors_gb(), "process_gb": self.process_gb}
+        held = {"resident_gb": resident_gb(), "shared_gb": shared_gb(), "tensors_gb": tensors_gb(),
+                "process_gb": self.process_gb}
         reset_peak_memory()
         trajs = [t for chunk in ray.get(trajectory_refs) for t in chunk]
         self._set_lr(lr)
@@ -274,8 +277,10 @@ class LearnerWorker:
         from cluster.weight_sync import WeightPublisher
         start = time.perf_counter()
         if not hasattr(self, "publisher"):
-            # a LoRA learner is the lean one: pack buffers kept between syncs would stay resident through training
-            self.publisher = WeightPublisher(bucket_mb, keep_buffers=not has_adapters(self.engine.module))
+            # pack buffers kept between syncs stay resident through training: not for a lean learner (LoRA, or
+            # one that returns what it frees)
+            lean = has_adapters(self.engine.module) or not self.cfg["learner"]["keep_freed_memory"]
+            self.publisher = WeightPublisher(bucket_mb, keep_buffers=not lean)
         manifest = self.publisher.publish(self.named_weights(synced=True), version,
                                           complete=not has_adapters(self.engine.module))
         return manifest, time.perf_counter() - start

@@ -3,7 +3,8 @@ fit one machine under Ray's memory monitor (which kills a worker when the node's
 `RAY_memory_usage_threshold`, default 0.95).
 
 A learner rank holds its process, its share of weights, gradients and Adam state (`learner_bytes`)
-plus DeepSpeed's flat buffers and the gathered copy weight sync sends (BUFFER_BYTES_PER_PARAM), and at its peak one
+plus DeepSpeed's flat buffers, the gathered copy weight sync sends and the pages its allocator keeps
+(BUFFER_BYTES_PER_PARAM; fewer when it returns them, RELEASED_BUFFER_BYTES_PER_PARAM), and at its peak one
 micro-batch's activations kept for backward (ACTIVATION_FLOATS x hidden per token and layer; with gradient
 checkpointing only each layer's input plus one layer's full set) and one logit chunk with its log-softmax and gradient.
 A vLLM rollout worker (or judge) holds its process, its weights with the copies loading and weight sync make
@@ -28,6 +29,7 @@ GB = 1e9
 PROCESS_GB = {"learner": 0.7, "rollout": 0.9, "judge": 0.9, "driver": 0.7}  # torch, DeepSpeed / vLLM, Ray imported
 SERVICE_GB = 0.4  # a reward, retriever or tool actor without a model of its own
 BUFFER_BYTES_PER_PARAM = 23
+RELEASED_BUFFER_BYTES_PER_PARAM = 13  # learner.keep_freed_memory false: no freed pages kept, no sync buffers
 LORA_SYNC_BYTES_PER_PARAM = 7  # with LoRA: the merged weights a sync computes and sends
 ACTIVATION_FLOATS = 35
 LORA_ACTIVATION_FLOATS = 23  # frozen layers keep no input for a weight gradient
@@ -108,13 +110,14 @@ def ray_memory_threshold() -> float:
 
 def learner_rank_gb(params: int, layers: int, hidden: int, vocab: int, tokens: int, *, dtype: str = "float32",
                     compute_dtype: str = "float32", zero_stage: int = 2, ranks: int = 1, reference: bool = False,
-                    checkpointing: bool = False, trainable: int | None = None) -> dict[str, float]:
+                    checkpointing: bool = False, trainable: int | None = None,
+                    keep_freed: bool = True) -> dict[str, float]:
     """A learner rank's resident memory between steps (`resident`) and its peak training a micro-batch of `tokens`
     packed tokens (`peak`), in GB. `trainable`: with LoRA, the adapters' parameters (the reference is then the
-    model with adapters off, no copy)."""
+    model with adapters off, no copy). `keep_freed`: learner.keep_freed_memory."""
     lora = trainable is not None and trainable < params
-    buffers = BUFFER_BYTES_PER_PARAM * trainable + LORA_SYNC_BYTES_PER_PARAM * params if lora \
-        else BUFFER_BYTES_PER_PARAM * params
+    per_param = BUFFER_BYTES_PER_PARAM if keep_freed else RELEASED_BUFFER_BYTES_PER_PARAM
+    buffers = per_param * trainable + LORA_SYNC_BYTES_PER_PARAM * params if lora else per_param * params
     resident = PROCESS_GB["learner"] * GB + buffers \
         + learner_bytes(params, dtype, zero_stage, ranks, reference, trainable)
     act_bytes = 4 if compute_dtype == "float32" else 2
@@ -152,6 +155,7 @@ def host_plan(cfg, params: int, model_config, roles: tuple[str, ...]) -> list[di
                                      compute_dtype=resolve_compute_dtype(cfg.learner.compute_dtype, "cpu"),
                                      zero_stage=cfg.learner.zero_stage, ranks=cfg.cluster.learner.num, reference=kl,
                                      checkpointing=cfg.learner.gradient_checkpointing,
+                                     keep_freed=cfg.learner.keep_freed_memory,
                                      trainable=trainable_params(cfg, params, model_config))
                for name, n in tokens.items()}
     rows = [{"role": "driver", "num": 1, "resident_gb": PROCESS_GB["driver"]}]
@@ -180,8 +184,8 @@ def phase_totals(rows: list[dict], key: str) -> float:
     return sum(r["num"] * (r[key] if r["role"] == "learner" else r["resident_gb"]) for r in rows)
 
 
-BOUNDS = {"learner": "set learner.gradient_checkpointing: true or lower learner.max_tokens_per_micro_batch (or "
-                     "learner.micro_batch_size)",
+BOUNDS = {"learner": "set learner.gradient_checkpointing: true, learner.keep_freed_memory: false, or lower "
+                     "learner.max_tokens_per_micro_batch (or learner.micro_batch_size)",
           "rollout": "lower rollout.kv_cache_gb or cluster.rollout.num",
           "judge": "lower judge.kv_cache_gb"}
 

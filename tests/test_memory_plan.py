@@ -26,16 +26,24 @@ def test_a_learner_rank_by_hand():
     assert ckpt["peak"] == pytest.approx(0.733 + 80_000 / 1e9 + 1.4e-3 + 614_400 / 1e9)
 
 
-@pytest.mark.parametrize("results, variant, checkpointing, trainable", [
-    ("step_real", "shipped", False, None), ("step_real", "checkpointing", True, None),
+@pytest.mark.parametrize("results, variant, checkpointing, trainable, compute_dtype, keep_freed", [
+    ("step_real", "shipped", False, None, "float32", True),
+    ("step_real", "checkpointing", True, None, "float32", True),
     # LoRA rank 16 on every linear layer of the decoder: 4,884,480 adapter parameters
-    ("step_lora_lean", "lora", False, 4_884_480), ("step_lora_lean", "lora_checkpointing", True, 4_884_480)])
+    ("step_lora_lean", "lora", False, 4_884_480, "float32", True),
+    ("step_lora_lean", "lora_checkpointing", True, 4_884_480, "float32", True),
+    # where the learner computes in bfloat16 (AVX512-BF16), freed pages kept and returned
+    ("step_lean", "shipped", False, None, "bfloat16", True),
+    ("step_lean", "checkpointing", True, None, "bfloat16", True),
+    ("step_lean", "released", False, None, "bfloat16", False),
+    ("step_lean", "checkpointing_released", True, None, "bfloat16", False)])
 def test_the_estimate_is_within_ten_percent_of_the_measured_real_model_peaks(results, variant, checkpointing,
-                                                                             trainable):
+                                                                             trainable, compute_dtype, keep_freed):
     rows = {r["variant"]: r for r in json.loads((ROOT / f"benchmarks/results/{results}.json").read_text())["rows"]}
     tokens = 4 * rows[variant]["tokens_per_sequence"]  # micro_batch_size 4, packed
     est = learner_rank_gb(SMOLLM2["params"], SMOLLM2["layers"], SMOLLM2["hidden"], SMOLLM2["vocab"],
-                          int(tokens), ranks=2, zero_stage=2, checkpointing=checkpointing, trainable=trainable)
+                          int(tokens), ranks=2, zero_stage=2, checkpointing=checkpointing, trainable=trainable,
+                          compute_dtype=compute_dtype, keep_freed=keep_freed)
     assert est["peak"] == pytest.approx(rows[variant]["memory/learner_peak_gb"], rel=0.1), variant
 
 

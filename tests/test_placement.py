@@ -51,7 +51,8 @@ def test_the_allocator_env_keeps_other_preloaded_libraries_and_defers_to_a_prelo
 def test_an_actor_started_with_the_allocator_env_keeps_freed_pages_until_released(ray_session):
     """Learner ranks start with allocator_env(): jemalloc must be what the process allocates with, keep what a freed
     tensor held (no page faults for the next micro-batch) until release_freed_memory() returns it, and the session's
-    own worker variables (zero-copy tensors, passive OpenMP waits) must still reach it."""
+    own worker variables (zero-copy tensors, passive OpenMP waits) must still reach it. With
+    learner.keep_freed_memory false the freed pages go back at once."""
     import os
 
     from cluster.devices import allocator_env
@@ -85,4 +86,7 @@ def test_an_actor_started_with_the_allocator_env_keeps_freed_pages_until_release
         process_state.options(runtime_env={"env_vars": env}).remote())
     assert (jemalloc, zero_copy) == (True, "1")
     assert kept > 0.2 and after_release < 0.05
+    jemalloc, _, kept, _ = ray_session.get(
+        process_state.options(runtime_env={"env_vars": allocator_env(keep_freed=False)}).remote())
+    assert jemalloc and kept < 0.05
     assert ray_session.get(process_state.remote())[0] is False  # other actors keep glibc's allocator
