@@ -48,6 +48,7 @@ def test_run_writes_metrics_checkpoints_and_stays_faithful(three_steps, tiny_mod
     for m in metrics:
         assert 0.1 < m["memory/learner_process_gb"] < m["memory/learner_resident_gb"] <= m["memory/learner_peak_gb"]
         assert 0 < m["memory/learner_tensors_gb"] < m["memory/learner_resident_gb"]
+        assert 0 <= m["memory/learner_shared_gb"] < m["memory/learner_resident_gb"]  # the object store's pages
     # the first step reports the run's start-up, phase by phase; later steps do not repeat it
     phases = {k: v for k, v in metrics[0].items() if k.startswith("startup/") and k != "startup/total_s"}
     assert {"startup/learners_s", "startup/rollout_workers_s"} <= phases.keys() and all(v >= 0 for v in phases.values())
