@@ -58,29 +58,34 @@ def release_freed_memory() -> None:
         mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))  # 4096: MALLCTL_ARENAS_ALL
 
 
-def resident_gb() -> float:
-    """This process's resident memory now (VmRSS, Linux; else its peak so far), in GB."""
+def _status_gb(field: str) -> float | None:
+    """A memory field of /proc/self/status (VmRSS, VmHWM, RssShmem, ...) in GB; None where there is none (not
+    Linux)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024 / 1e9
     except OSError:
         pass
+    return None
+
+
+def _max_resident_gb() -> float:
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def resident_gb() -> float:
+    """This process's resident memory now (VmRSS, Linux; else its peak so far), in GB."""
+    now = _status_gb("VmRSS")
+    return _max_resident_gb() if now is None else now
 
 
 def shared_gb() -> float:
     """The shared-memory pages in this process's resident size (RssShmem, Linux; else 0), in GB: with Ray, the
     object store's pages it wrote or read (a weight sync's objects), which the node holds once however many
     processes map them."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("RssShmem:"):
-                return int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        pass
-    return 0.0
+    return _status_gb("RssShmem") or 0.0
 
 
 def tensors_gb() -> float:
@@ -123,14 +128,8 @@ def reset_peak_memory() -> None:
 def peak_memory_gb() -> dict[str, float]:
     """This process's peak memory since :func:`reset_peak_memory`, in GB: `rss` (resident, from VmHWM) and, with a
     GPU, `gpu` (torch's peak allocated)."""
-    peak = {}
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                peak["rss"] = int(line.split()[1]) * 1024 / 1e9
-    except OSError:
-        import resource
-        peak["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    high = _status_gb("VmHWM")
+    peak = {"rss": _max_resident_gb() if high is None else high}
     import torch
     if torch.cuda.is_available():
         peak["gpu"] = torch.cuda.max_memory_allocated() / 1e9
