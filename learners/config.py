@@ -135,8 +135,8 @@ class LearnerConfig(Strict):
     gradient_checkpointing: bool = False
     keep_freed_memory: bool = Field(
         True, description="CPU ranks keep the pages their tensors free for the next micro-batch (faster; the peak "
-                          "then exceeds what is alive at once); false returns them at once: the lowest peak, each "
-                          "page faulted in again")
+                          "then exceeds what is alive at once); false returns them at once and rank 0 keeps no "
+                          "weight-sync buffers between syncs: the lowest peak, each page faulted in again")
     compute_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="dtype of the learner's forward and backward (torch.autocast); weights, gradients and "
                                "optimizer state stay in model.dtype. bfloat16 pays off on GPUs and on CPUs with "
