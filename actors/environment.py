@@ -44,7 +44,12 @@ class Environment:
 class EpisodeRunner:
     """Drives episodes to completion on `engine` (a vLLM LLMEngine), asking `environment` for an observation each
     time the policy closes the grammar's action tag. `vision`: how a multimodal policy's images become tokens
-    (None: a text-only policy)."""
+    (None: a text-only policy).
+
+    The runner is a pool: `run` drives a batch of episodes to their end; `admit` adds episodes and `advance` runs the
+    pool for a while and hands back those that ended, so episodes can go on across calls (fully asynchronous
+    rollouts) while the engine's weights change between them: each token keeps the weight version that sampled it
+    (`Episode.versions`, from vLLM's weight-version spans)."""
 
     def __init__(self, engine, tokenizer, grammar: Grammar, environment: Environment | None = None,
                  vision: ImageTokens | None = None):
@@ -53,78 +58,130 @@ class EpisodeRunner:
         self.engine, self.tokenizer, self.grammar, self.environment = engine, tokenizer, grammar, environment
         self.vision = vision
         self.top_logprobs = 0  # > 0: record each policy token's entropy from this many log-probabilities
+        self.cache_salt: str | None = None  # prefixes cached under other weights must not be reused: set per version
         self._next_id = 0
+        self.live: dict[str, tuple[Episode, dict]] = {}  # request id -> (episode, its sampling)
+        # environment calls in flight: ref -> ([(episode, action, index in the result, sampling)], when sent)
+        self.waiting: dict[ray.ObjectRef, tuple[list[tuple[Episode, str, int | None, dict]], float]] = {}
+        self.ended: list[Episode] = []   # ended and not yet handed back by `advance`
+        self.stats = {"env_calls": 0, "env_errors": 0, "idle_s": 0.0}
 
     def run(self, episodes: list[Episode], sampling: dict) -> dict:
-        """Run every episode to the end; returns statistics (engine idle time waiting on the environment, errors).
+        """Run `episodes` to their end (episodes admitted before go on meanwhile and stay in the pool); returns
+        statistics since the last call: environment calls and errors, engine idle time waiting on the environment.
         Each engine step's finished generations that closed an action go to the environment as one batch; their
         observations are collected while the engine decodes the other episodes."""
+        start = time.perf_counter()
+        self.admit(episodes, sampling)
+        pending = {id(ep) for ep in episodes}
+        while pending:
+            pending -= {id(ep) for ep in self.tick()}
+        mine = {id(ep) for ep in episodes}
+        self.ended = [ep for ep in self.ended if id(ep) not in mine]
+        return {**self.take_stats(), "seconds": time.perf_counter() - start}
+
+    def admit(self, episodes: list[Episode], sampling: dict) -> None:
+        for ep in episodes:
+            self._submit(ep, sampling)
+
+    def advance(self, seconds: float) -> list[Episode]:
+        """Run the pool for about `seconds` (at least one engine step) or until it is empty; returns the episodes
+        that ended since the last call."""
+        deadline = time.perf_counter() + seconds
+        while self.live or self.waiting:
+            self.tick()
+            if time.perf_counter() >= deadline:
+                break
+        ended, self.ended = self.ended, []
+        return ended
+
+    def busy(self) -> int:
+        """Episodes in the pool that have not ended."""
+        return len(self.live) + sum(len(asked) for asked, _ in self.waiting.values())
+
+    def abandon(self) -> None:
+        """Drop every episode in the pool (their requests aborted, environment answers ignored)."""
+        if self.live:
+            self.engine.abort_request(list(self.live))
+        self.live, self.waiting, self.ended = {}, {}, []
+
+    def take_stats(self) -> dict:
+        stats, self.stats = self.stats, {"env_calls": 0, "env_errors": 0, "idle_s": 0.0}
+        return stats
+
+    def tick(self) -> list[Episode]:
+        """One engine step, its closed actions sent to the environment, and the observations that arrived; returns
+        the episodes that ended in it (also kept for `advance`)."""
+        ended, asking = [], []
+        for out in self.engine.step() if self.live else []:
+            if out.finished:
+                ep, sampling = self.live.pop(out.request_id)
+                if (action := ep.generated(self.grammar, self.generation(out), vision=self.vision)) is None:
+                    ended.append(ep)
+                else:
+                    asking.append((ep, action, sampling))
+        if asking:
+            self.stats["env_calls"] += len(asking)
+            sent = time.perf_counter()
+            calls = self.environment.call([ep for ep, _, _ in asking], [action for _, action, _ in asking])
+            for (ep, action, sampling), pending in zip(asking, calls):
+                if isinstance(pending, Observation):
+                    self._observe(ep, pending, sampling, ended)
+                else:
+                    ref, index = pending
+                    self.waiting.setdefault(ref, ([], sent))[0].append((ep, action, index, sampling))
+        if self.waiting:
+            self._collect_observations(ended)
+        self.ended += ended
+        return ended
+
+    def _collect_observations(self, ended: list[Episode]) -> None:
+        """The environment's answers that arrived (waiting for one when no episode is decoding), and a timeout's
+        observation for calls older than the environment's `timeout_s`."""
+        env, idle = self.environment, not self.live
+        t0 = time.perf_counter()
+        ready, _ = ray.wait(list(self.waiting), num_returns=1 if idle else len(self.waiting),
+                            timeout=env.timeout_s if idle else 0)
+        if idle:
+            self.stats["idle_s"] += time.perf_counter() - t0
+        for ref in ready:
+            try:
+                results, error = ray.get(ref), None
+            except Exception as e:  # noqa: BLE001  the episodes get an observation they can recover from
+                results, error = None, type(e).__name__
+            for ep, action, index, sampling in self.waiting.pop(ref)[0]:
+                result = results if results is None or index is None else results[index]
+                self._observe(ep, env.observe(ep, action, result, error), sampling, ended)
+        for ref, (asked, sent) in list(self.waiting.items()):
+            if time.perf_counter() - sent > env.timeout_s:
+                self.waiting.pop(ref)
+                for ep, action, _, sampling in asked:
+                    self._observe(ep, env.observe(ep, action, None, "timeout"), sampling, ended)
+
+    def _observe(self, ep: Episode, obs: Observation, sampling: dict, ended: list[Episode]) -> None:
+        self.stats["env_errors"] += obs.record.get("error") is not None
+        if ep.observed(self.grammar, obs, self.tokenizer, self.vision):
+            self._submit(ep, sampling)
+        else:
+            ended.append(ep)
+
+    def _submit(self, ep: Episode, sampling: dict) -> None:
+        """The episode's next generation, with the grammar's stops, as one engine request."""
         from vllm import SamplingParams
 
-        g, env = self.grammar, self.environment
-        stop_ids = sorted(set(sampling.get("stop_token_ids") or []) | set(self.vision.special_ids)) \
-            if self.vision else sampling.get("stop_token_ids")
-        turn = {**sampling, "stop": sorted(set(sampling.get("stop") or []) | set(g.stops())),
-                "stop_token_ids": stop_ids}
-        live: dict[str, Episode] = {}
-        waiting: dict[ray.ObjectRef, tuple[list[tuple[Episode, str, int | None]], float]] = {}
-        stats = {"env_calls": 0, "env_errors": 0, "idle_s": 0.0}
-        start = time.perf_counter()
-
-        def submit(ep: Episode) -> None:
-            params = SamplingParams(**{**turn, "max_tokens": min(sampling["max_tokens"], ep.room(g))},
-                                    seed=ep.sampling_seed(), logprobs=self.top_logprobs,
-                                    include_stop_str_in_output=True, skip_special_tokens=False)
-            request_id = f"ep{self._next_id}"
-            self._next_id += 1
-            live[request_id] = ep
-            self.engine.add_request(request_id, ep.engine_prompt(self.vision), params)
-
-        def observe(ep: Episode, obs: Observation) -> None:
-            stats["env_errors"] += obs.record.get("error") is not None
-            if ep.observed(g, obs, self.tokenizer, self.vision):
-                submit(ep)
-
-        for ep in episodes:
-            submit(ep)
-        while live or waiting:
-            asking: list[tuple[Episode, str]] = []
-            for out in self.engine.step() if live else []:
-                if out.finished:
-                    ep = live.pop(out.request_id)
-                    if (action := ep.generated(g, self.generation(out), vision=self.vision)) is not None:
-                        asking.append((ep, action))
-            if asking:
-                stats["env_calls"] += len(asking)
-                sent = time.perf_counter()
-                for (ep, action), pending in zip(asking, env.call([ep for ep, _ in asking], [a for _, a in asking])):
-                    if isinstance(pending, Observation):
-                        observe(ep, pending)
-                    else:
-                        ref, index = pending
-                        waiting.setdefault(ref, ([], sent))[0].append((ep, action, index))
-            if waiting:
-                idle = not live
-                t0 = time.perf_counter()
-                ready, _ = ray.wait(list(waiting), num_returns=1 if idle else len(waiting),
-                                    timeout=env.timeout_s if idle else 0)
-                if idle:
-                    stats["idle_s"] += time.perf_counter() - t0
-                for ref in ready:
-                    try:
-                        results, error = ray.get(ref), None
-                    except Exception as e:  # noqa: BLE001  the episodes get an observation they can recover from
-                        results, error = None, type(e).__name__
-                    for ep, action, index in waiting.pop(ref)[0]:
-                        result = results if results is None or index is None else results[index]
-                        observe(ep, env.observe(ep, action, result, error))
-                for ref, (asked, sent) in list(waiting.items()):
-                    if time.perf_counter() - sent > env.timeout_s:
-                        waiting.pop(ref)
-                        for ep, action, _ in asked:
-                            observe(ep, env.observe(ep, action, None, "timeout"))
-        stats["seconds"] = time.perf_counter() - start
-        return stats
+        stop_ids = set(sampling.get("stop_token_ids") or []) | set(self.vision.special_ids if self.vision else [])
+        stops = set(sampling.get("stop") or []) | set(self.grammar.stops())
+        params = SamplingParams(**{**sampling, "stop": sorted(stops), "stop_token_ids": sorted(stop_ids) or None,
+                                   "max_tokens": min(sampling["max_tokens"], ep.room(self.grammar))},
+                                seed=ep.sampling_seed(), logprobs=self.top_logprobs,
+                                include_stop_str_in_output=True, skip_special_tokens=False)
+        request_id = f"ep{self._next_id}"
+        self._next_id += 1
+        self.live[request_id] = (ep, sampling)
+        prompt = ep.engine_prompt(self.vision)
+        if self.cache_salt:
+            prompt["cache_salt"] = self.cache_salt
+        self.engine.add_request(request_id, prompt, params)
 
     def generation(self, out) -> Generation:
         """A finished request's generation, with each token's entropy from its top log-probabilities if recorded."""

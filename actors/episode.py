@@ -56,13 +56,14 @@ class Generation:
     finish_reason: str | None
     stop_reason: str | int | None = None
     entropies: list[float] | None = None
+    versions: list[int] | None = None
 
     @classmethod
     def from_vllm(cls, seq, entropies: list[float] | None = None) -> Generation:
         """From vLLM's `CompletionOutput` (sampled with `logprobs` set)."""
         ids = list(seq.token_ids)
         return cls(seq.text, ids, [lp[t].logprob for lp, t in zip(seq.logprobs, ids)], seq.finish_reason,
-                   seq.stop_reason, entropies)
+                   seq.stop_reason, entropies, token_versions(seq.weight_versions, len(ids)))
 
     def cut_at_image_token(self, vision: ImageTokens | None) -> bool:
         """A multimodal policy's generation that ended on a token only images may bring loses that token (a stray pad
@@ -72,6 +73,7 @@ class Generation:
             return False
         self.ids, self.logprobs = self.ids[:-1], self.logprobs[:-1]
         self.entropies = self.entropies and self.entropies[:-1]
+        self.versions = self.versions and self.versions[:-1]
         return True
 
 
@@ -89,6 +91,8 @@ class Episode:
     images: list[np.ndarray] = field(default_factory=list)   # RGB uint8 arrays of every image in the ids, in order
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # their (t, h, w) patch grids
     entropies: list[float] = field(default_factory=list)     # per response token (0 on the environment's), if recorded
+    versions: list[int] = field(default_factory=list)        # per response token: the weight version that sampled it
+                                                              # (-1 on the environment's and where unknown)
     branch: dict | None = None                                # a fork: {"of": base rollout, "at": token}
 
     # ---- the turn logic -------------------------------------------------------------------------------------
@@ -112,7 +116,8 @@ class Episode:
         may bring, dropped: it would be a fake image). `segment`: the text the action is read from (default the
         generation's; serving passes a continued assistant message's text before it)."""
         cut = generation.cut_at_image_token(vision)
-        self.extend(generation.ids, generation.logprobs, by_policy=True, entropies=generation.entropies)
+        self.extend(generation.ids, generation.logprobs, by_policy=True, entropies=generation.entropies,
+                    versions=generation.versions)
         if cut:
             self.finish_reason = "vision_token"
             return None
@@ -151,11 +156,12 @@ class Episode:
 
     # ---- the record -----------------------------------------------------------------------------------------
     def extend(self, ids: list[int], logprobs: list[float], by_policy: bool,
-               entropies: list[float] | None = None) -> None:
+               entropies: list[float] | None = None, versions: list[int] | None = None) -> None:
         self.response_ids += ids
         self.logprobs += logprobs if by_policy else [0.0] * len(ids)
         self.loss_mask += [int(by_policy)] * len(ids)
         self.entropies += entropies if entropies is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [-1] * len(ids)
 
     def fork(self, position: int, seed: int | None, images: int) -> Episode:
         """A copy of this episode's first `position` response tokens, with the turns and the first `images` images
@@ -165,14 +171,30 @@ class Episode:
         return Episode(task=self.task, group=self.group, seed=seed, prompt_ids=self.prompt_ids,
                        response_ids=self.response_ids[:position], logprobs=self.logprobs[:position], loss_mask=mask,
                        turns=[dict(t) for t in self.turns[:turns]], images=self.images[:images],
-                       image_grids=self.image_grids[:images], entropies=self.entropies[:position])
+                       image_grids=self.image_grids[:images], entropies=self.entropies[:position],
+                       versions=self.versions[:position])
 
     def to_trajectory(self, tokenizer, version: int) -> Trajectory:
+        """`version`: the weight version to record where no token's is known (no policy token, unlabelled
+        weights); else the oldest of the policy's tokens."""
+        known = [v for v, by_policy in zip(self.versions, self.loss_mask) if by_policy and v >= 0]
         return Trajectory(task=self.task, group=self.group, prompt_ids=self.prompt_ids,
                           response_ids=self.response_ids, logprobs=self.logprobs, loss_mask=self.loss_mask,
                           text=tokenizer.decode(self.response_ids, skip_special_tokens=False),
-                          finish_reason=self.finish_reason, weight_version=version, turns=self.turns,
+                          finish_reason=self.finish_reason, weight_version=min(known, default=version),
+                          versions=self.versions, turns=self.turns,
                           images=self.images, image_grids=self.image_grids, branch=self.branch)
+
+
+def token_versions(spans, n: int) -> list[int] | None:
+    """Each of `n` tokens' weight version from vLLM's `WeightVersionSpan`s ([start, end) labelled `version`); None
+    when there are none or a label is not a learner version (an engine whose weights were never labelled)."""
+    if not spans or not all(span.version.isdigit() for span in spans):
+        return None
+    versions = [-1] * n
+    for span in spans:
+        versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+    return versions
 
 
 def engine_prompt(ids: list[int], images: list, vision: ImageTokens | None) -> dict:

@@ -82,6 +82,8 @@ class RolloutWorker:
         self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}),
                                     environment, self.vision)
         self.version = version  # the learner version whose weights the engine holds
+        self._label_weights(version)
+        self.streamed: dict[int, list[Episode]] = {}  # fully asynchronous rollouts: group -> its episodes in the pool
 
     def ready(self) -> dict:
         return {"device": self.device, "version": self.version, "pid": os.getpid()}
@@ -162,6 +164,48 @@ class RolloutWorker:
                    "hook_stats": hook_stats, "peak_memory_gb": step_peak_memory()}
         return trajectories, summary
 
+    def stream(self, call: RolloutCall, seconds: float):
+        """Fully asynchronous rollouts: admit `call`'s groups to the episode pool, run the pool for about `seconds`
+        (or until it is empty), and yield each group that ended as a list of trajectories, then a summary whose
+        `groups` lists, in the order yielded, each group's index, its oldest weight version and whether its
+        tokens span several versions (a partial rollout: the weights changed while it was sampled). Episodes go on
+        across calls; a weight update between calls reaches those in flight."""
+        if self.vision is not None:
+            raise ValueError("async=fully_async does not run multimodal policies: the engine's image cache cannot "
+                             "be reset while episodes are in flight; use sync or one_step_off")
+        if call.grammar is not None and Grammar.model_validate(call.grammar) != self.runner.grammar:
+            if self.streamed:
+                raise RuntimeError("the grammar changed while streamed episodes were in flight")
+            self.runner.grammar = Grammar.model_validate(call.grammar)
+        for task, group in zip(call.tasks, call.groups):
+            ids, images, grids = task_prompt(task, self.tokenizer, self.vision)
+            self.streamed[group] = [Episode(task=task, group=group, seed=derive_seed(call.seed, group, j),
+                                            prompt_ids=ids, images=list(images), image_grids=list(grids))
+                                    for j in range(call.group_size)]
+            self.runner.admit(self.streamed[group], call.sampling)
+        start, done = time.perf_counter(), set()
+        for ep in self.runner.advance(seconds):
+            done.add(ep.group)
+        groups = []
+        for group in sorted(g for g in done if all(ep.finish_reason for ep in self.streamed[g])):
+            trajectories = [ep.to_trajectory(self.tokenizer, self.version) for ep in self.streamed.pop(group)]
+            yield trajectories
+            groups.append({"group": group, "version": min(t.weight_version for t in trajectories),
+                           "partial": any(len({v for v, m in zip(t.versions, t.loss_mask) if m}) > 1
+                                          for t in trajectories),
+                           "lengths": [len(t.response_ids) for t in trajectories],
+                           "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
+                           "finish_reasons": [t.finish_reason for t in trajectories]})
+        yield {**self.runner.take_stats(), "seconds": time.perf_counter() - start, "groups": groups,
+               "in_flight": len(self.streamed), "version": self.version, "peak_memory_gb": step_peak_memory()}
+
+    def drop_stream(self) -> int:
+        """Abandon the streamed groups in flight; returns how many."""
+        dropped = len(self.streamed)
+        self.runner.abandon()
+        self.streamed = {}
+        return dropped
+
     def prompt_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         """log p(token_t | tokens_<t) under the engine's current weights, for t >= 1 of each sequence.
         `images[i]`: the images of sequence i (a trajectory's `images`; its ids hold their full pad runs)."""
@@ -194,10 +238,19 @@ class RolloutWorker:
         return self._after_reload(version, start)
 
     def _after_reload(self, version: int, start: float) -> float:
-        """Drop what was cached under the old weights: prefixes, and image embeddings (vLLM's advice; without this
-        the next image request failed: "Encoder cache miss")."""
-        self.llm.reset_prefix_cache()
-        if self.vision is not None:
-            self.llm.llm_engine.reset_encoder_cache()
-        self.version = version
+        """Drop what was cached under the old weights: image embeddings (vLLM's advice; without this the next image
+        request failed: "Encoder cache miss"), and prefixes, which a new cache salt also keeps apart while streamed
+        episodes hold cache blocks (vLLM resets its prefix cache only when no request runs)."""
+        if not self.runner.busy():
+            self.llm.reset_prefix_cache()
+            if self.vision is not None:
+                self.llm.llm_engine.reset_encoder_cache()
+        self._label_weights(version)
         return time.perf_counter() - start
+
+    def _label_weights(self, version: int) -> None:
+        """Tokens sampled from now on carry `version` (vLLM's weight-version spans), and new requests reuse only
+        prefixes cached under it."""
+        self.version = version
+        self.llm.llm_engine.set_weight_version(str(version))
+        self.runner.cache_salt = f"weights-{version}"

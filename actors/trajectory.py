@@ -11,7 +11,7 @@ class Trajectory:
     `response_ids` holds every token after the prompt, the policy's and the environment's (retrieved text, tool
     observations); `loss_mask` is 1 exactly on the tokens the policy wrote, and `logprobs` are the behaviour
     policy's log-probabilities of those tokens (0 elsewhere). `weight_version` is the learner version whose
-    weights sampled it.
+    weights sampled it (the oldest, when the weights changed while it was sampled: `versions` has each token's).
 
     With a multimodal policy, each image the sequence shows (the task's, then the environment's, in order) is a full
     run of `<|image_pad|>` tokens in the ids, and `images` holds its RGB uint8 array (a group's rollouts share the
@@ -26,6 +26,7 @@ class Trajectory:
     text: str                        # decoded response (policy and environment text)
     finish_reason: str               # "stop", "length", or the environment's reason (turn limit, budget)
     weight_version: int
+    versions: list[int] = field(default_factory=list)  # per response token: its weight version (-1: environment's)
     turns: list[dict] = field(default_factory=list)   # queries, retrieved chunks, tool calls, observations
     images: list = field(default_factory=list)        # np.uint8 [H, W, 3] per image, in token order
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)  # (t, h, w) patches per image

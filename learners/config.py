@@ -251,7 +251,13 @@ class RunConfig(Strict):
     seed: int = 0
     total_steps: int = Field(..., ge=1)
     resume: bool = False
-    async_mode: Literal["sync", "one_step_off"] = Field("sync", alias="async")
+    async_mode: Literal["sync", "one_step_off", "fully_async"] = Field(
+        "sync", alias="async", description="sync: generate, then train; one_step_off: step t+1's rollouts are "
+                                           "generated while step t trains; fully_async: the rollout workers generate "
+                                           "continuously and take new weights between slices, episodes in flight "
+                                           "included (learners/rollout_stream.py)")
+    max_staleness: int = Field(1, ge=0, description="fully_async: the most weight versions a trained group may lag "
+                                                    "the learner (0: on-policy, as sync)")
     cluster: ClusterConfig = ClusterConfig()
     model: ModelConfig = ModelConfig()
     data: DataConfig
@@ -321,6 +327,10 @@ class RunConfig(Strict):
         if self.retrieval is not None and self.cluster.retriever.num != self.retrieval.shards:
             raise ValueError(f"cluster.retriever.num ({self.cluster.retriever.num}) must equal retrieval.shards "
                              f"({self.retrieval.shards}): one Retriever actor serves one shard")
+        if self.async_mode == "fully_async" and (self.cluster.weight_sync == "collective" or (
+                self.cluster.weight_sync == "auto" and self.cluster.learner.num_gpus > 0)):
+            raise ValueError("async: fully_async needs cluster.weight_sync object_store: a collective broadcast would "
+                             "make the learner wait for every worker's generation slice")
         check_budgets(self)  # turns and tokens the environment can honour (learners/budgets.py)
         return self
 

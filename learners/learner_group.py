@@ -125,11 +125,8 @@ class LearnerGroup:
     def sync(self, version: int) -> dict:
         """Send the weights of `version` to every rollout worker; all learner ranks take part (ZeRO-3 gathers)."""
         start = time.perf_counter()
-        helpers = [r.help_gather.remote() for r in self.ranks[1:]]
         if self.transport == "object_store":
-            publish = self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb)
-            (manifest, send_s), *_ = self._all([publish, *helpers], "weight sync")
-            sent = manifest.num_bytes
+            manifest, stats = self.publish(version)
             for retries in range(3):  # a worker Ray restarts mid-sync reads the same buckets once it is back
                 try:
                     load_s = ray.get([w.update_weights.remote(manifest) for w in self.workers])
@@ -139,16 +136,24 @@ class LearnerGroup:
                         raise
                     for w in self.workers:
                         wait_until_ready(w)
-            del manifest, publish  # the objects are freed as soon as no one holds the manifest
+            del manifest  # the objects are freed as soon as no one holds the manifest
         else:
+            helpers = [r.help_gather.remote() for r in self.ranks[1:]]
             retries = 0
             sent = sum(torch.Size(shape).numel() * getattr(torch, dtype).itemsize for _, dtype, shape in self.meta)
             send = self.ranks[0].broadcast_weights.remote()
             receives = [w.receive_broadcast.remote(version, self.meta, self.complete) for w in self.workers]
-            send_s = self._all([send, *helpers], "weight sync")[0]
+            stats = {"sync_send_s": self._all([send, *helpers], "weight sync")[0], "sync_mb": sent / 2**20}
             load_s = ray.get(receives)
-        return {"sync_s": time.perf_counter() - start, "sync_send_s": send_s, "sync_load_s": max(load_s),
-                "sync_retries": retries, "sync_mb": sent / 2**20}
+        return {"sync_s": time.perf_counter() - start, **stats, "sync_load_s": max(load_s), "sync_retries": retries}
+
+    def publish(self, version: int) -> tuple:
+        """Put the weights of `version` in the object store (object-store transport): (their manifest, which each
+        rollout worker's `update_weights` loads, {"sync_send_s", "sync_mb"})."""
+        helpers = [r.help_gather.remote() for r in self.ranks[1:]]
+        publish = self.ranks[0].publish_weights.remote(version, self.cfg.cluster.sync_bucket_mb)
+        (manifest, send_s), *_ = self._all([publish, *helpers], "weight sync")
+        return manifest, {"sync_send_s": send_s, "sync_mb": manifest.num_bytes / 2**20}
 
     def sequence_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         return self._all([r.sequence_logprobs.remote(sequences, images) for r in self.ranks], "a logprob check")[0]

@@ -4,12 +4,14 @@ A run is a list of stages (one GRPO stage unless the config lists more): a GRPO 
 stage trains on demonstrations; weights carry over from stage to stage. The driver only moves object refs and small
 numbers; trajectories go from rollout workers to reward actors and learners directly through the object store.
 
-Read top to bottom: the loop, one step's parts, then set-up and teardown (the actors themselves are a `Fleet`,
-learners/fleet.py, which evaluation stands on too; entering a stage is learners/stages.py; checkpoints, and the
-learner group's restart from one when a rank fails, learners/recovery.py).
+Read top to bottom: the loop (and its fully asynchronous form), then one step's parts. Set-up and teardown are
+learners/run_setup.py (the actors themselves are a `Fleet`, learners/fleet.py, which evaluation stands on too);
+entering a stage is learners/stages.py; checkpoints, and the learner group's restart from one when a rank fails,
+learners/recovery.py.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +20,6 @@ from pathlib import Path
 import numpy as np
 import ray
 import torch
-import yaml
 
 from actors.episode import derive_seed
 from actors.rollout_worker import RolloutCall
@@ -32,14 +33,14 @@ from learners.dynamic_sampling import count_informative, fill_batch, kept_groups
 from learners.fleet import Fleet, gather_shares, send_shares
 from learners.learner_group import LearnerGroup, LearnerRankFailed
 from learners.memory_plan import MemoryWatch
-from learners.metrics import (Laps, MetricsLogger, kept_metrics, kept_scores, learner_reports, sample_totals,
+from learners.metrics import (MetricsLogger, kept_metrics, kept_scores, learner_reports, sample_totals,
                               step_metrics)
 from learners.recovery import Recovery
+from learners.rollout_stream import RolloutStream
+from learners.run_setup import RunSetup
 from learners.services import count_restarts, service_actors, service_roles
 from learners.stages import Stages
 from learners.validation import Validator, closing_report, plot_curves
-from recipes import load_recipe
-from tasks.tiny_models import policy_dir
 
 log = logging.getLogger("medray.trainer")
 
@@ -65,7 +66,7 @@ class TrainingBatch:
     trained: list[dict]                # the batch's own score dicts, in its order
 
 
-class Trainer(Stages, Recovery):
+class Trainer(Stages, Recovery, RunSetup):
     def __init__(self, cfg: RunConfig, on_ray_start=None):
         """`on_ray_start`: called once Ray is up (learners/run.py routes the actors' output to run.log)."""
         self.cfg = cfg
@@ -96,6 +97,7 @@ class Trainer(Stages, Recovery):
         self.demonstrations: list | None = None         # an SFT stage's
         self.rollout_hooks: list = []
         self.stateful_rewards = False
+        self.quiesce = contextlib.nullcontext  # fully_async: pauses the rollout stream while workers are used otherwise
 
     # ---- the loop --------------------------------------------------------------------------------------------
     def fit(self) -> list[dict]:
@@ -115,7 +117,8 @@ class Trainer(Stages, Recovery):
             while self.step < self.cfg.total_steps:
                 index, end = self.stage_at(self.step)
                 self.enter_stage(index)
-                run = self.run_sft if self.stage.kind == "sft" else self.run_grpo
+                run = self.run_sft if self.stage.kind == "sft" else \
+                    self.run_grpo_streamed if self.cfg.async_mode == "fully_async" else self.run_grpo
                 try:
                     run(end, bar)
                 except LearnerRankFailed as failure:
@@ -150,8 +153,54 @@ class Trainer(Stages, Recovery):
             self.metrics.traces.record(self.step, self.stage.name, batch.trajectories, batch.trained,
                                        advantages.tolist(), cfg.rollout.grammar.observation_tag)
             record = {**step_metrics(self.step, batch.sampled, summaries, train, sync, self.version),
-                      **batch.sampling, **self.health(rollouts)}
+                      **batch.sampling, **self.health(rollouts.trajectories[0])}
             self.finish_step(record, step_start, bar)
+
+    def run_grpo_streamed(self, end: int, bar) -> None:
+        """GRPO steps until `end` on fully asynchronous rollouts (learners/rollout_stream.py): each step trains on the
+        next prompts_per_step groups to finish and publishes its weights, which the workers take between slices of
+        generation."""
+        cfg, r = self.stage_cfg, self.stage_cfg.rollout
+        if self.rollout_hooks:
+            raise ValueError(f"async=fully_async does not run rollout hooks (the recipe's "
+                             f"{[type(h).__name__ for h in self.rollout_hooks]}): use sync or one_step_off")
+        stream = RolloutStream(self.workers, self.rewarders, self.stream_call, r.prompts_per_step,
+                               self.cfg.max_staleness, self.version, self.step * r.prompts_per_step,
+                               self.restore_worker, cfg.algorithm.dynamic_sampling)
+        self.quiesce = stream.paused_and_current
+        try:
+            while self.step < end:
+                step_start = time.perf_counter()
+                groups, scores, filtered, stats = stream.take()
+                if self.stateful_rewards:
+                    scores = ray.get(self.rewarders[0].calibrate.remote(scores))
+                batch = TrainingBatch([g.trajectories for g in groups], sample_totals(scores), {}, scores + filtered,
+                                      scores)
+                advantages = compute_advantages(torch.tensor(batch.totals), r.group_size, cfg.algorithm.advantage,
+                                                cfg.algorithm.normalize_std)
+                train = self.learners.train(batch.trajectories, advantages.tolist(), cfg, objective="grpo")
+                self.version += 1
+                manifest, sync = self.learners.publish(self.version)
+                stream.trained(self.version, manifest)
+                del manifest
+                self.step += 1
+                self.metrics.traces.record(self.step, self.stage.name, batch.trajectories, batch.trained,
+                                           advantages.tolist(), r.grammar.observation_tag)
+                summaries = stream.summaries(groups, stats.pop("slices"))
+                record = {**step_metrics(self.step, batch.sampled, summaries, train, sync, self.version),
+                          **{f"stream/{k}": v for k, v in stats.items()}, **self.health(batch.trajectories[0])}
+                self.finish_step(record, step_start, bar)
+        finally:
+            self.quiesce = contextlib.nullcontext
+            stream.close()
+
+    def stream_call(self, groups: list[int]) -> RolloutCall:
+        """The rollouts of stream groups `groups`: group n samples the prompt the sampler puts at slot
+        n % prompts_per_step of step n // prompts_per_step, with seeds derived from n."""
+        r = self.stage_cfg.rollout
+        tasks = [self.tasks[self.sampler.batch(n // r.prompts_per_step)[n % r.prompts_per_step]] for n in groups]
+        return RolloutCall(tasks, groups, r.group_size, r.sampling(), derive_seed(self.cfg.seed, "stream"),
+                           r.grammar.model_dump())
 
     def run_sft(self, end: int, bar) -> None:
         """Demonstration batches through the same learner group; the weights reach the rollout workers each step."""
@@ -186,8 +235,9 @@ class Trainer(Stages, Recovery):
     def validate(self) -> dict:
         """The eval section's splits on the rollout workers, under the weights they hold now."""
         start = time.perf_counter()
-        record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump(),
-                                    self.judge, self.version, self.restore_worker)
+        with self.quiesce():
+            record = self.validator.run(self.workers, self.step, self.stage_cfg.rollout.grammar.model_dump(),
+                                        self.judge, self.version, self.restore_worker)
         # the service actors' work during the evaluation (a judge grading answers) is not the next step's
         self.recipe.step_stats(service_actors(self.environment, self.judge))
         return {**record, "eval_s": time.perf_counter() - start}
@@ -280,91 +330,24 @@ class Trainer(Stages, Recovery):
         self.restarts["rollout"] += sync["sync_retries"]  # a worker lost between steps, back for the sync
         return train, sync
 
-    def health(self, rollouts: StepRollouts) -> dict:
+    def health(self, sample: ray.ObjectRef) -> dict:
         """What a GRPO step reports about the machinery around the algorithm: actors restarted, by role; the recipe
         plugin's numbers from the service actors (`step_stats`); and every fidelity_check_every steps the
-        engine-vs-learner log-probability check, which stops the run when it fails."""
+        engine-vs-learner log-probability check on `sample` (trajectories), which stops the run when it fails."""
         cfg = self.stage_cfg
         services = service_actors(self.environment, self.judge)
         count_restarts(services, self.service_pids, self.restarts)
         record = {f"actor_restarts/{role}": n for role, n in self.restarts.items()}
         record.update(self.recipe.step_stats(services))
         if cfg.rollout.fidelity_check_every and self.step % cfg.rollout.fidelity_check_every == 0:
-            record["fidelity_max_abs_diff"] = self.learners.fidelity(self.workers, rollouts.trajectories[0],
-                                                                     version=self.version, restore=self.restore_worker)
+            with self.quiesce():
+                record["fidelity_max_abs_diff"] = self.learners.fidelity(self.workers, sample, version=self.version,
+                                                                         restore=self.restore_worker)
             if record["fidelity_max_abs_diff"] > cfg.fidelity_tolerance():
                 raise RuntimeError(f"rollout and learner log-probabilities differ by "
                                    f"{record['fidelity_max_abs_diff']:.2e} after the sync of step {self.step} "
                                    f"(rollout.fidelity_tolerance {cfg.fidelity_tolerance():g})")
         return record
-
-    # ---- set-up and teardown ------------------------------------------------------------------------------
-    def setup(self) -> None:
-        """Start the run's actors and reservations. A set-up that fails part-way releases whatever it had started
-        (`shutdown` takes a partial state), then raises."""
-        try:
-            self._setup()
-        except BaseException:
-            try:
-                self.shutdown()
-            except Exception:  # noqa: BLE001  the set-up's own error is the one to report
-                log.exception("releasing a failed set-up")
-            raise
-
-    def _setup(self) -> None:
-        cfg, laps = self.cfg, Laps()
-        if not cfg.resume:
-            ckpt.refuse_existing_run(self.out, self.storage)
-        self.fleet.join_ray()
-        laps.lap("ray")
-        self.recipe = load_recipe(cfg.recipe)
-        resume_from, resume_source = None, None  # resume_source: the checkpoint's URI when it comes from storage
-        if cfg.resume:
-            resume_from, resume_source = ckpt.resume_point(self.ckpt_root, self.storage)
-            if resume_from is None:
-                log.warning("resume=true but no valid checkpoint under %s; starting from step 0",
-                            self.storage.uri("checkpoints") if self.storage else self.ckpt_root)
-            else:
-                ckpt.refuse_other_learner(resume_from, lora=cfg.learner.lora is not None)
-                self.step = ckpt.read_state(resume_from)["step"]
-        self.base_model = policy_dir(cfg.model)
-        # on storage, every rollout worker reads the checkpoint from there (output_dir may be the driver's disk only)
-        policy_path = resume_source or (str(resume_from) if resume_from else self.base_model)
-
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(self.base_model)
-        self.fleet.place()
-        # written once the run is known to fit, so a refused resume leaves the previous run's config as it was
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
-        laps.lap("placement")
-        self.fleet.start_services()
-        laps.lap("services")
-        self.fleet.start_workers(policy_path, version=self.step)
-        self.learners = LearnerGroup(cfg, self.placement, self.base_model, resume_from, resume_source)
-        laps.lap("learners")
-        self.learners.connect(self.workers)
-        laps.lap("connect")
-        self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
-        laps.lap("stage")
-        self.restore_rewards(resume_from)
-        self.worker_pids = [ready["pid"] for ready in ray.get([w.ready.remote() for w in self.workers])]
-        laps.lap("rollout_workers")
-        count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
-        self.version = self.step
-        self.metrics = MetricsLogger(self.out, cfg.logging, resume_step=self.step if cfg.resume else None)
-        self.validator = Validator(cfg, self.out, self.base_model) if cfg.eval else None
-        self.startup = laps.total()
-        log.info("start-up %s", laps)
-
-    def shutdown(self) -> None:
-        """Release every actor and reservation (`Fleet.close`), so the next run (or test) in this Ray session finds
-        them free; after a set-up that failed part-way, what it had started."""
-        if self.metrics is not None:
-            self.metrics.close()
-        if self.learners is not None:
-            self.learners.shutdown()
-        self.fleet.close()
 
     # the fleet's actors, by the names the rest of the loop (and tests) reach them by
     workers = property(lambda self: self.fleet.workers)
