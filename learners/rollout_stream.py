@@ -63,7 +63,7 @@ class RolloutStream:
         self.slices: list[dict] = []                        # slice summaries since the last batch
         self.counts = {"stale_dropped": 0, "groups_filtered": 0}
         self.paused = self.closed = False
-        self.idle = [False] * len(workers)
+        self.held = [version] * len(workers)               # the weight version each worker holds
         self.error: BaseException | None = None
         self.threads = [threading.Thread(target=self._feed, args=(i,), name=f"feed-RolloutWorker-{i}", daemon=True)
                         for i in range(len(workers))]
@@ -98,6 +98,7 @@ class RolloutStream:
             counts, self.counts = self.counts, {k: 0 for k in self.counts}
         lags = [self.version - g.version for g in batch]
         stats = {**counts, "version_lag_max": max(lags), "version_lag_mean": sum(lags) / len(lags),
+                 **{f"groups_lag_{lag}": lags.count(lag) for lag in sorted(set(lags))},
                  "partial_groups": sum(g.partial for g in batch), "stream_slices": len(slices)}
         return batch, scores, filtered, {**stats, "slices": slices}
 
@@ -115,7 +116,8 @@ class RolloutStream:
         with self.cond:
             self.paused = True
             self.cond.notify_all()
-            self.cond.wait_for(lambda: all(self.idle) or self.error)
+            self.cond.wait_for(lambda: self.error or all(not assigned and held >= self.version
+                                                         for assigned, held in zip(self.assigned, self.held)))
             self._raise()
         try:
             yield
@@ -136,41 +138,36 @@ class RolloutStream:
 
     # ---- a worker's feeder --------------------------------------------------------------------------------------
     def _feed(self, i: int) -> None:
-        held = self.version
         try:
             while True:
                 with self.cond:
-                    self.cond.wait_for(lambda: self.closed or self._work(i, held) != "idle" or self._mark_idle(i))
-                    self.idle[i] = False
+                    self.cond.wait_for(lambda: self.closed or self._work(i) != "idle")
                     if self.closed:
                         return
                     version, manifest = self.version, self.manifest
-                    admitted = self._admit(i) if self._work(i, held) == "admit" else []
+                    admitted = self._admit(i) if self._work(i) == "admit" else []
                 try:
-                    if version > held and manifest is not None:
+                    if version > self.held[i] and manifest is not None:
                         ray.get(self.workers[i].update_weights.remote(manifest))
-                        held = version
+                        with self.cond:
+                            self.held[i] = version
+                            self.cond.notify_all()
                     if admitted or self.assigned[i]:
                         self._slice(i, admitted)
                 except ACTOR_LOST as err:
-                    held = self._lost(i, err)
+                    self._lost(i, err)
         except BaseException as err:  # noqa: BLE001  the trainer raises it from take()
             with self.cond:
                 self.error = err
                 self.cond.notify_all()
 
-    def _work(self, i: int, held: int) -> str:
+    def _work(self, i: int) -> str:
         """What worker i should do next: "weights" to take, "admit" new groups, "continue" those in flight, "idle"."""
-        if self.version > held and self.manifest is not None:
+        if self.version > self.held[i] and self.manifest is not None:
             return "weights"
         if not self.paused and (self.retry or self.outstanding < self.bound) and len(self.assigned[i]) < self.capacity:
             return "admit"
         return "continue" if self.assigned[i] else "idle"
-
-    def _mark_idle(self, i: int) -> bool:
-        self.idle[i] = True
-        self.cond.notify_all()
-        return False
 
     def _admit(self, i: int) -> list[int]:
         """Group numbers for worker i: lost ones first, then new ones within the staleness bound."""
@@ -198,9 +195,9 @@ class RolloutStream:
             self.slices.append(summary)
             self.cond.notify_all()
 
-    def _lost(self, i: int, err: BaseException) -> int:
+    def _lost(self, i: int, err: BaseException) -> None:
         """Worker i died: its groups are sampled again (by whichever worker has room first) once Ray restarted it
-        with the current weights. Returns the version it holds then."""
+        with the current weights."""
         log.warning("RolloutWorker-%d lost (%s); sampling its %d groups again", i, type(err).__name__,
                     len(self.assigned[i]))
         with self.cond:
@@ -208,7 +205,10 @@ class RolloutStream:
             self.assigned[i] = set()
         wait_until_ready(self.workers[i])
         self.restore(i)
-        return ray.get(self.workers[i].ready.remote())["version"]
+        held = ray.get(self.workers[i].ready.remote())["version"]
+        with self.cond:
+            self.held[i] = held
+            self.cond.notify_all()
 
     def summaries(self, batch: list[StreamedGroup], slices: list[dict]) -> list[dict]:
         """The batch as one rollout summary (the fields `learners.metrics.step_metrics` reads): its groups' lengths

@@ -11,7 +11,7 @@ def test_the_training_doc_lists_every_key_of_the_schema_as_it_is():
 
 def test_the_reference_names_each_key_as_a_config_writes_it_with_its_role_s_default():
     found = {key: (kind, default) for key, kind, default, _ in rows(RunConfig)}
-    assert found["async"] == ("sync | one_step_off", "sync")  # the alias a config writes
+    assert found["async"] == ("sync | one_step_off | fully_async", "sync")  # the alias a config writes
     assert found["cluster.rollout.threads"][1] == "2" and found["cluster.learner.num"][1] == "2"  # the roles' own
     assert found["cluster.autoscale"] == ("bool", "false") and "cluster.placement_timeout_s" in found
     assert "auto" in found["learner.compute_dtype"][0].split(" | ")

@@ -17,14 +17,14 @@ def leftovers(ray) -> tuple[set, set]:
 
 def test_a_learner_group_that_cannot_start_leaves_no_actor_or_placement_group_behind(ray_session, tmp_path,
                                                                                       monkeypatch):
-    from learners import trainer
+    from learners import run_setup, trainer
     from learners.learner_group import LearnerGroup, LearnerRankFailed
 
     before = leftovers(ray_session)
     # the learner ranks alone get a model directory that is not there: they start, then fail to load it, after the
     # placement groups, the retriever and the rollout worker have started
     missing = str(tmp_path / "no-model")
-    monkeypatch.setattr(trainer, "LearnerGroup", lambda cfg, placement, model_path, *rest:
+    monkeypatch.setattr(run_setup, "LearnerGroup", lambda cfg, placement, model_path, *rest:
                         LearnerGroup(cfg, placement, missing, *rest))
     run = trainer.Trainer(load_config("configs/tiny.yaml", [f"output_dir={tmp_path / 'run'}"]))
     with pytest.raises(LearnerRankFailed):
