@@ -45,7 +45,8 @@ class StreamedGroup:
 class RolloutStream:
     """`call_for(groups)`: the RolloutCall that samples the stream's group numbers `groups`. `first_group`: the
     number of the first group (a stage resumed at step s starts at s x prompts_per_step). `restore(i)`: gives a
-    worker Ray restarted the current weights."""
+    worker Ray restarted the current weights; it is called on the trainer's thread (in `take` or a pause), since
+    it syncs through the learner group, which only that thread calls."""
 
     def __init__(self, workers: list, rewarders: list, call_for: Callable[[list[int]], RolloutCall],
                  prompts_per_step: int, max_staleness: int, version: int, first_group: int,
@@ -58,6 +59,7 @@ class RolloutStream:
         self.version, self.manifest = version, None  # the newest weights and their object-store manifest
         self.next_group, self.outstanding = first_group, 0
         self.retry: list[int] = []                          # groups lost with a worker, to sample again
+        self.lost: set[int] = set()                         # workers Ray restarted, waiting for their weights
         self.assigned: list[set[int]] = [set() for _ in workers]
         self.ready: dict[int, StreamedGroup] = {}
         self.slices: list[dict] = []                        # slice summaries since the last batch
@@ -77,9 +79,9 @@ class RolloutStream:
         dicts of every group dropped for equal rewards, stream statistics)."""
         batch, scores, filtered = [], [], []
         while len(batch) < self.per_step:
+            if self._restore_lost(lambda: bool(self.ready)):
+                continue
             with self.cond:
-                self.cond.wait_for(lambda: self.ready or self.error)
-                self._raise()
                 group = self.ready.pop(min(self.ready))
                 stale = group.version < self.version - self.max_staleness
             score = ray.get(group.scores)
@@ -116,9 +118,9 @@ class RolloutStream:
         with self.cond:
             self.paused = True
             self.cond.notify_all()
-            self.cond.wait_for(lambda: self.error or all(not assigned and held >= self.version
-                                                         for assigned, held in zip(self.assigned, self.held)))
-            self._raise()
+        while self._restore_lost(lambda: all(not assigned and held >= self.version
+                                             for assigned, held in zip(self.assigned, self.held))):
+            pass
         try:
             yield
         finally:
@@ -151,6 +153,8 @@ class RolloutStream:
                         ray.get(self.workers[i].update_weights.remote(manifest))
                         with self.cond:
                             self.held[i] = version
+                            if all(held >= self.version for held in self.held):
+                                self.manifest = None  # every worker has it: the object store lets it go
                             self.cond.notify_all()
                     if admitted or self.assigned[i]:
                         self._slice(i, admitted)
@@ -163,6 +167,8 @@ class RolloutStream:
 
     def _work(self, i: int) -> str:
         """What worker i should do next: "weights" to take, "admit" new groups, "continue" those in flight, "idle"."""
+        if i in self.lost:
+            return "idle"
         if self.version > self.held[i] and self.manifest is not None:
             return "weights"
         if not self.paused and (self.retry or self.outstanding < self.bound) and len(self.assigned[i]) < self.capacity:
@@ -196,19 +202,31 @@ class RolloutStream:
             self.cond.notify_all()
 
     def _lost(self, i: int, err: BaseException) -> None:
-        """Worker i died: its groups are sampled again (by whichever worker has room first) once Ray restarted it
-        with the current weights."""
+        """Worker i died: its groups are sampled again (by whichever worker has room first), and once Ray has
+        restarted it the trainer's thread gives it the current weights (`_restore_lost`)."""
         log.warning("RolloutWorker-%d lost (%s); sampling its %d groups again", i, type(err).__name__,
                     len(self.assigned[i]))
+        wait_until_ready(self.workers[i])
         with self.cond:
             self.retry += sorted(self.assigned[i])
             self.assigned[i] = set()
-        wait_until_ready(self.workers[i])
-        self.restore(i)
-        held = ray.get(self.workers[i].ready.remote())["version"]
-        with self.cond:
-            self.held[i] = held
+            self.lost.add(i)
             self.cond.notify_all()
+
+    def _restore_lost(self, done: Callable[[], bool]) -> bool:
+        """On the trainer's thread: wait until `done()` holds or a worker is lost; restore a lost one (then return
+        True: the caller checks again). Raises what a feeder raised."""
+        with self.cond:
+            self.cond.wait_for(lambda: done() or self.lost or self.error)
+            self._raise()
+            if not self.lost:
+                return False
+            i = self.lost.pop()
+        self.restore(i)
+        with self.cond:
+            self.held[i] = self.version
+            self.cond.notify_all()
+        return True
 
     def summaries(self, batch: list[StreamedGroup], slices: list[dict]) -> list[dict]:
         """The batch as one rollout summary (the fields `learners.metrics.step_metrics` reads): its groups' lengths

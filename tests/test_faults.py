@@ -164,3 +164,29 @@ def test_past_its_restart_limit_a_failed_learner_rank_ends_the_run_naming_resume
     with pytest.raises(LearnerRankFailed, match=r"LearnerWorker-1 failed during a grpo step(.|\n)*resume=true") as e:
         Recovery.restart_learners(SimpleNamespace(cfg=cfg, restarts={"learner": 1}), failure)
     assert e.value.__notes__ == ["No learner restart left in this run: fault_tolerance.max_learner_restarts is 1."]
+
+
+@pytest.mark.slow
+def test_fully_async_samples_a_lost_workers_groups_again(ray_session, tiny_model_path, tmp_path, monkeypatch):
+    """async=fully_async: RolloutWorker-0 is killed as the first step's weights are published, while it streams the
+    next groups. Ray restarts it, the trainer gives it the current weights, its groups are sampled again, and every
+    step still trains on prompts_per_step groups within the staleness bound."""
+    import ray
+
+    from learners.rollout_stream import RolloutStream
+
+    trained, killed = RolloutStream.trained, []
+
+    def kill_after(stream, version, manifest):
+        trained(stream, version, manifest)
+        if not killed:
+            ray.kill(stream.workers[0], no_restart=False)
+            killed.append(version)
+    monkeypatch.setattr(RolloutStream, "trained", kill_after)
+    cfg = tiny_run(tmp_path / "run", "async=fully_async", "total_steps=3", "rollout.fidelity_check_every=3",
+                   "eval=null")
+    history = Trainer(cfg).fit()
+    assert killed == [1] and [r["step"] for r in history] == [1, 2, 3]
+    assert history[-1]["actor_restarts/rollout"] == 1
+    assert all(r["stream/version_lag_max"] <= 1 for r in history)
+    assert history[-1]["fidelity_max_abs_diff"] <= cfg.fidelity_tolerance()
