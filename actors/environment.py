@@ -73,10 +73,10 @@ class EpisodeRunner:
         observations are collected while the engine decodes the other episodes."""
         start = time.perf_counter()
         self.admit(episodes, sampling)
-        pending = {id(ep) for ep in episodes}
+        mine = {id(ep) for ep in episodes}
+        pending = set(mine)
         while pending:
             pending -= {id(ep) for ep in self.tick()}
-        mine = {id(ep) for ep in episodes}
         self.ended = [ep for ep in self.ended if id(ep) not in mine]
         return {**self.take_stats(), "seconds": time.perf_counter() - start}
 

@@ -81,8 +81,7 @@ class RolloutWorker:
         self.llm.collective_rpc(quiet_reload_notices)
         self.runner = EpisodeRunner(self.llm.llm_engine, self.tokenizer, Grammar.model_validate(grammar or {}),
                                     environment, self.vision)
-        self.version = version  # the learner version whose weights the engine holds
-        self._label_weights(version)
+        self._label_weights(version)  # self.version: the learner version whose weights the engine holds
         self.streamed: dict[int, list[Episode]] = {}  # fully asynchronous rollouts: group -> its episodes in the pool
 
     def ready(self) -> dict:

@@ -46,14 +46,16 @@ class RolloutStream:
     """`call_for(groups)`: the RolloutCall that samples the stream's group numbers `groups`. `first_group`: the
     number of the first group (a stage resumed at step s starts at s x prompts_per_step). `restore(i)`: gives a
     worker Ray restarted the current weights; it is called on the trainer's thread (in `take` or a pause), since
-    it syncs through the learner group, which only that thread calls."""
+    it syncs through the learner group, which only that thread calls. `uniform_drops`: dynamic sampling, the groups
+    whose rewards are all equal a batch may drop (then it keeps them, as the synchronous refill does after its last
+    round)."""
 
     def __init__(self, workers: list, rewarders: list, call_for: Callable[[list[int]], RolloutCall],
                  prompts_per_step: int, max_staleness: int, version: int, first_group: int,
-                 restore: Callable[[int], None], dynamic_sampling: bool = False):
+                 restore: Callable[[int], None], uniform_drops: int = 0):
         self.workers, self.rewarders, self.call_for, self.restore = workers, rewarders, call_for, restore
         self.per_step, self.bound = prompts_per_step, (max_staleness + 1) * prompts_per_step
-        self.max_staleness, self.dynamic_sampling = max_staleness, dynamic_sampling
+        self.max_staleness, self.uniform_drops = max_staleness, uniform_drops
         self.capacity = math.ceil(prompts_per_step / len(workers))  # groups in flight a worker, as in a sync step
         self.cond = threading.Condition()
         self.version, self.manifest = version, None  # the newest weights and their object-store manifest
@@ -75,8 +77,8 @@ class RolloutStream:
     # ---- the trainer's side -------------------------------------------------------------------------------------
     def take(self) -> tuple[list[StreamedGroup], list[dict], list[dict], dict]:
         """The next batch: prompts_per_step finished groups, oldest first, none older than the bound allows (and
-        with dynamic sampling, none whose rewards are all equal). Returns (groups, their score dicts, the score
-        dicts of every group dropped for equal rewards, stream statistics)."""
+        with dynamic sampling, up to `uniform_drops` groups whose rewards are all equal dropped). Returns (groups,
+        their score dicts, the score dicts of the groups dropped for equal rewards, stream statistics)."""
         batch, scores, filtered = [], [], []
         while len(batch) < self.per_step:
             if self._restore_lost(lambda: bool(self.ready)):
@@ -85,7 +87,8 @@ class RolloutStream:
                 group = self.ready.pop(min(self.ready))
                 stale = group.version < self.version - self.max_staleness
             score = ray.get(group.scores)
-            empty = self.dynamic_sampling and not informative(sample_totals([score]), len(group.summary["lengths"]))
+            empty = self.counts["groups_filtered"] < self.uniform_drops and \
+                not informative(sample_totals([score]), len(group.summary["lengths"]))
             if stale or empty:
                 with self.cond:
                     self.counts["stale_dropped" if stale else "groups_filtered"] += 1

@@ -166,7 +166,9 @@ class Trainer(Stages, Recovery, RunSetup):
                              f"{[type(h).__name__ for h in self.rollout_hooks]}): use sync or one_step_off")
         stream = RolloutStream(self.workers, self.rewarders, self.stream_call, r.prompts_per_step,
                                self.cfg.max_staleness, self.version, self.step * r.prompts_per_step,
-                               self.restore_worker, cfg.algorithm.dynamic_sampling)
+                               self.restore_worker,
+                               cfg.algorithm.max_extra_rounds * r.prompts_per_step if cfg.algorithm.dynamic_sampling
+                               else 0)
         self.quiesce = stream.paused_and_current
         try:
             while self.step < end:
