@@ -182,7 +182,9 @@ class Trainer(Stages, Recovery, RunSetup):
                                                 cfg.algorithm.normalize_std)
                 train = self.learners.train(batch.trajectories, advantages.tolist(), cfg, objective="grpo")
                 self.version += 1
+                published = time.perf_counter()
                 manifest, sync = self.learners.publish(self.version)
+                sync["sync_s"] = time.perf_counter() - published  # the learner's part: workers load between slices
                 stream.trained(self.version, manifest)
                 del manifest
                 self.step += 1
