@@ -38,6 +38,13 @@ def task_prompt(task: dict, tokenizer, vision: ImageTokens | None) -> tuple[list
     return (vision.expand(ids, grids) if images else ids), images, grids
 
 
+def shape(trajectories: list[Trajectory]) -> dict:
+    """What a rollout summary says of its trajectories: response lengths, policy tokens, finish reasons."""
+    return {"lengths": [len(t.response_ids) for t in trajectories],
+            "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
+            "finish_reasons": [t.finish_reason for t in trajectories]}
+
+
 @dataclass
 class RolloutCall:
     """One worker's share of a step's rollouts, whole groups of tasks: the arguments of `RolloutWorker.rollout`."""
@@ -157,9 +164,7 @@ class RolloutWorker:
         trajectories = [ep.to_trajectory(self.tokenizer, self.version) for group in by_group for ep in group]
         for hook in hooks:
             hook_stats.update(hook.finish(self, trajectories))
-        summary = {**stats, "lengths": [len(t.response_ids) for t in trajectories],
-                   "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
-                   "finish_reasons": [t.finish_reason for t in trajectories], "version": self.version,
+        summary = {**stats, **shape(trajectories), "version": self.version,
                    "hook_stats": hook_stats, "peak_memory_gb": step_peak_memory()}
         return trajectories, summary
 
@@ -191,10 +196,7 @@ class RolloutWorker:
             yield trajectories
             groups.append({"group": group, "version": min(t.weight_version for t in trajectories),
                            "partial": any(len({v for v, m in zip(t.versions, t.loss_mask) if m}) > 1
-                                          for t in trajectories),
-                           "lengths": [len(t.response_ids) for t in trajectories],
-                           "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
-                           "finish_reasons": [t.finish_reason for t in trajectories]})
+                                          for t in trajectories), **shape(trajectories)})
         yield {**self.runner.take_stats(), "seconds": time.perf_counter() - start, "groups": groups,
                "in_flight": len(self.streamed), "version": self.version, "peak_memory_gb": step_peak_memory()}
 

@@ -32,14 +32,14 @@ SLICE_S = 2.0  # a worker takes new weights and new groups this often: the lag a
 
 @dataclass
 class StreamedGroup:
-    """A finished group: its trajectories and their scores (refs), its oldest weight version, and whether its
-    tokens span several versions."""
-    index: int
+    """A finished group: its trajectories and their scores (refs), and the worker's summary of it (`stream`'s
+    `groups` entry: its index, oldest weight version, whether it is a partial rollout, lengths...)."""
     trajectories: ray.ObjectRef
     scores: ray.ObjectRef
-    version: int
-    partial: bool
     summary: dict
+
+    version = property(lambda self: self.summary["version"])
+    partial = property(lambda self: self.summary["partial"])
 
 
 class RolloutStream:
@@ -198,8 +198,7 @@ class RolloutStream:
             summary["worker"] = i
             for ref, meta in zip(groups, summary["groups"]):
                 scores = self.rewarders[meta["group"] % len(self.rewarders)].score.remote(ref)
-                self.ready[meta["group"]] = StreamedGroup(meta["group"], ref, scores, meta["version"], meta["partial"],
-                                                          meta)
+                self.ready[meta["group"]] = StreamedGroup(ref, scores, meta)
                 self.assigned[i].discard(meta["group"])
             self.slices.append(summary)
             self.cond.notify_all()
