@@ -196,7 +196,8 @@ class RolloutWorker:
             yield trajectories
             groups.append({"group": group, "version": min(t.weight_version for t in trajectories),
                            "partial": any(len({v for v, m in zip(t.versions, t.loss_mask) if m}) > 1
-                                          for t in trajectories), **shape(trajectories)})
+                                          for t in trajectories),
+                           "env_calls": sum(len(t.turns) for t in trajectories), **shape(trajectories)})
         yield {**self.runner.take_stats(), "seconds": time.perf_counter() - start, "groups": groups,
                "in_flight": len(self.streamed), "version": self.version, "peak_memory_gb": step_peak_memory()}
 

@@ -5,8 +5,11 @@ held-out accuracy the run reaches after the same number of samples.
                                      [--name async_vs_sync] [extra dotted.key=value overrides]
 
 The first two steps (engine warm-up, the pipeline filling) are left out of the step means and of samples/s; the
-accuracy is the closing evaluation's (eval.at_end, when the config has an eval section). Targets: one_step_off's
-step <= 1.15 x max(generate, train); fully_async >= 1.3 x one_step_off's samples/s with accuracy within noise.
+accuracy is the closing evaluation's (eval.at_end, when the config has an eval section). `cpu_busy` is the busy share
+of the node's CPU time over those steps (`cpu/node_busy_fraction`), and `samples_per_s_at_full_cpu` samples/s divided
+by it: what no schedule of the same work exceeds on this node, where rollouts and learner share its CPUs. Targets:
+one_step_off's step <= 1.15 x max(generate, train); fully_async >= 1.3 x one_step_off's samples/s with accuracy
+within noise.
 """
 from __future__ import annotations
 
@@ -58,7 +61,10 @@ def main() -> None:
         lags = lag_counts(history, cfg.rollout.prompts_per_step)
         accuracy = {k.removeprefix("eval/").removesuffix("/accuracy"): v for k, v in history[-1].items()
                     if k.startswith("eval/") and k.endswith("/accuracy")}
-        rows.append({"mode": mode, **mean, "samples_per_s": samples * len(steady) / sum(r["step_s"] for r in steady),
+        samples_per_s = samples * len(steady) / sum(r["step_s"] for r in steady)
+        cpu_busy = sum(r["cpu/node_busy_fraction"] * r["step_s"] for r in steady) / sum(r["step_s"] for r in steady)
+        rows.append({"mode": mode, **mean, "samples_per_s": samples_per_s, "cpu_busy": cpu_busy,
+                     "samples_per_s_at_full_cpu": samples_per_s / cpu_busy,
                      "step_over_max_gen_train": mean["step_s"] / max(mean["generate_s"], mean["train_s"]),
                      "env_calls_per_episode": statistics.mean(r["env_calls_per_episode"] for r in history),
                      "version_lags": " ".join(f"{lag}:{n}" for lag, n in sorted(lags.items())),

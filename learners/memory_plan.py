@@ -239,13 +239,18 @@ def check_local_run(cfg, roles: tuple[str, ...]) -> None:
         log.warning(problems["at_floor"])
 
 
-class MemoryWatch:
-    """Once a step: the driver's node's used memory (`memory/node_used_fraction`) and, the first time it comes within
-    MARGIN of Ray's memory threshold, a warning naming the role whose `memory/<role>_peak_gb` is largest."""
+class NodeWatch:
+    """Once a step: the driver's node's used memory (`memory/node_used_fraction`), the share of its CPU time that was
+    busy since the last call (`cpu/node_busy_fraction`: near 1, no schedule of the same work runs faster on this
+    node), and, the first time memory comes within MARGIN of Ray's memory threshold, a warning naming the role whose
+    `memory/<role>_peak_gb` is largest."""
     MARGIN = 0.05
 
     def __init__(self):
+        import psutil
+
         self.warned = False
+        psutil.cpu_percent()  # starts the interval the first step's share is over
 
     def __call__(self, record: dict) -> dict:
         import psutil
@@ -262,4 +267,4 @@ class MemoryWatch:
                         "RAY_memory_usage_threshold) above which it kills a worker%s", record.get("step"),
                         100 * used, 100 * threshold, f"; the largest role is {role} at {peaks[role]:.1f} GB an "
                         f"actor: {BOUNDS.get(role, 'give it fewer actors')}" if role else "")
-        return {"memory/node_used_fraction": used}
+        return {"memory/node_used_fraction": used, "cpu/node_busy_fraction": psutil.cpu_percent() / 100}

@@ -231,15 +231,16 @@ class RolloutStream:
         return True
 
     def summaries(self, batch: list[StreamedGroup], slices: list[dict]) -> list[dict]:
-        """The batch as one rollout summary (the fields `learners.metrics.step_metrics` reads): its groups' lengths
-        and finish reasons, the slices' environment numbers, and each worker's generating time since the last
-        batch (the longest)."""
+        """The batch as one rollout summary (the fields `learners.metrics.step_metrics` reads): its groups' lengths,
+        finish reasons and environment calls, the slices' environment errors and idle time, and each worker's
+        generating time since the last batch (the longest)."""
         busy = [sum(s["seconds"] for s in slices if s["worker"] == i) for i in range(len(self.workers))]
         last = {s["worker"]: s["peak_memory_gb"] for s in slices}
         return [{"lengths": [n for g in batch for n in g.summary["lengths"]],
                  "finish_reasons": [r for g in batch for r in g.summary["finish_reasons"]],
                  "policy_tokens": sum(g.summary["policy_tokens"] for g in batch),
-                 **{k: sum(s[k] for s in slices) for k in ("env_calls", "env_errors", "idle_s")},
+                 "env_calls": sum(g.summary["env_calls"] for g in batch),
+                 **{k: sum(s[k] for s in slices) for k in ("env_errors", "idle_s")},
                  "seconds": max(busy), "version": min(g.version for g in batch), "hook_stats": {},
                  "peak_memory_gb": {k: max(p[k] for p in last.values() if k in p)
                                     for k in {k for p in last.values() for k in p}}}]

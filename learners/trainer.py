@@ -32,7 +32,7 @@ from learners.data import PromptSampler
 from learners.dynamic_sampling import count_informative, fill_batch, kept_groups
 from learners.fleet import Fleet, gather_shares, send_shares
 from learners.learner_group import LearnerGroup, LearnerRankFailed
-from learners.memory_plan import MemoryWatch
+from learners.memory_plan import NodeWatch
 from learners.metrics import (MetricsLogger, kept_metrics, kept_scores, learner_reports, sample_totals,
                               step_metrics)
 from learners.recovery import Recovery
@@ -74,7 +74,7 @@ class Trainer(Stages, Recovery, RunSetup):
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.storage = run_storage(cfg.storage.path, self.out)  # where checkpoints, metrics and evaluations go too
-        self.memory_watch = MemoryWatch()
+        self.node_watch = NodeWatch()
         # The run's state, set by `setup` (None until then: `shutdown` releases only what set-up started)
         self.recipe = self.tokenizer = None
         self.base_model: str | None = None              # the policy's starting weights (the config's model, built)
@@ -221,7 +221,7 @@ class Trainer(Stages, Recovery, RunSetup):
 
     def finish_step(self, record: dict, step_start: float, bar) -> None:
         """Stage columns, checkpoint when due, timing; then the record goes to every metrics sink and the history."""
-        record.update(stage=self.stage_index, stage_name=self.stage.name, **self.startup, **self.memory_watch(record))
+        record.update(stage=self.stage_index, stage_name=self.stage.name, **self.startup, **self.node_watch(record))
         self.startup = {}
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.total_steps \
                 or self.step == self.stage_at(self.step - 1)[1]:

@@ -1,6 +1,8 @@
 """Host memory known before a CPU run starts: the estimate, its calibration against measured peaks, the dry run's
 table, and the refusal of a run that cannot fit."""
 import json
+import os
+import time
 from collections import namedtuple
 from pathlib import Path
 
@@ -8,7 +10,7 @@ import pytest
 
 from cluster.placement import PlacementError
 from learners.config import load_config
-from learners.memory_plan import MemoryWatch, check_local_run, fit_problems, learner_rank_gb, phase_totals
+from learners.memory_plan import NodeWatch, check_local_run, fit_problems, learner_rank_gb, phase_totals
 
 ROOT = Path(__file__).resolve().parents[1]
 # SmolLM2-135M-Instruct's shape (its config.json): what the quickstart trains
@@ -92,12 +94,14 @@ def test_a_local_run_that_cannot_fit_stops_before_ray_starts(monkeypatch):
     assert ray.is_initialized() == started
 
 
-def test_the_memory_watch_warns_once_near_the_threshold(monkeypatch, caplog):
+def test_the_node_watch_warns_once_near_the_memory_threshold(monkeypatch, caplog):
     import psutil
     machine = namedtuple("Memory", "total available")
-    watch = MemoryWatch()
+    watch = NodeWatch()
     monkeypatch.setattr(psutil, "virtual_memory", lambda: machine(100.0, 50.0))
-    assert watch({"step": 1, "memory/learner_peak_gb": 9.0}) == {"memory/node_used_fraction": 0.5}
+    monkeypatch.setattr(psutil, "cpu_percent", lambda: 87.5)
+    assert watch({"step": 1, "memory/learner_peak_gb": 9.0}) == {"memory/node_used_fraction": 0.5,
+                                                                "cpu/node_busy_fraction": 0.875}
     assert not caplog.records
     monkeypatch.setattr(psutil, "virtual_memory", lambda: machine(100.0, 8.0))  # 92% used: within 5 points of 95%
     record = {"step": 2, "memory/learner_peak_gb": 9.0, "memory/rollout_peak_gb": 5.0}
@@ -105,6 +109,14 @@ def test_the_memory_watch_warns_once_near_the_threshold(monkeypatch, caplog):
     watch(record)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "92% used" in warnings[0] and "largest role is learner at 9.0 GB" in warnings[0]
+
+
+def test_the_node_watch_reports_the_cpu_share_a_busy_loop_takes():
+    watch = NodeWatch()
+    end = time.perf_counter() + 0.5
+    while time.perf_counter() < end:  # one core busy
+        pass
+    assert 0.8 / os.cpu_count() <= watch({"step": 1})["cpu/node_busy_fraction"] <= 1.0
 
 
 def test_a_process_tensors_count_each_storage_once():
