@@ -86,7 +86,7 @@ class Trainer(Stages, Recovery, RunSetup):
         self.version = 0                                # the learner's weight version: one per optimizer step
         self.restarts = {"rollout": 0, "reward": 0, "learner": 0}  # actors restarted in the run, by role
         self.worker_pids: list[int] = []                # each rollout worker's process id, to count its restarts once
-        self.reward_pids: dict[int, int] = {}           # each reward actor's process id, to notice a restart
+        self.reward_pids: dict[str, int] = {}           # by actor id: its process id, to notice a restart
         self.service_pids: dict = {}                    # the same for the service actors (retriever, tools, judge)
         self.history: list[dict] = []                   # each step's record
         self.startup: dict = {}                         # set-up time by phase, reported with the first step
@@ -174,6 +174,7 @@ class Trainer(Stages, Recovery, RunSetup):
             while self.step < end:
                 step_start = time.perf_counter()
                 groups, scores, filtered, stats = stream.take()
+                self.note_reward_restarts(scores + filtered)
                 if self.stateful_rewards:
                     scores = ray.get(self.rewarders[0].calibrate.remote(scores))
                 batch = TrainingBatch([g.trajectories for g in groups], sample_totals(scores), {}, scores + filtered,
@@ -288,12 +289,16 @@ class Trainer(Stages, Recovery, RunSetup):
         the metrics it happened. With stateful rewards the owner then calibrates the whole batch once."""
         scores = ray.get([self.rewarders[i % len(self.rewarders)].score.remote(ref)
                           for i, ref in enumerate(rollouts.trajectories)])
-        for i, s in enumerate(scores):
-            actor = i % len(self.rewarders)
-            if self.reward_pids.setdefault(actor, s["pid"]) != s["pid"]:
-                self.restarts["reward"] += 1
-                self.reward_pids[actor] = s["pid"]
+        self.note_reward_restarts(scores)
         return ray.get(self.rewarders[0].calibrate.remote(scores)) if self.stateful_rewards else scores
+
+    def note_reward_restarts(self, scores: list[dict]) -> None:
+        """Counts each reward actor's restart once: its score dicts then carry another process id under the same
+        actor id."""
+        for s in scores:
+            if self.reward_pids.setdefault(s["actor"], s["pid"]) != s["pid"]:
+                self.restarts["reward"] += 1
+                self.reward_pids[s["actor"]] = s["pid"]
 
     def training_batch(self, rollouts: StepRollouts, scores: list[dict]) -> TrainingBatch:
         """What the learner trains on: the step's rollouts with their rewards, or with dynamic sampling the

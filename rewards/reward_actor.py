@@ -65,7 +65,8 @@ class RewardActor:
             by_spec.append(comps)
         groups = [t.group for t in trajectories]
         return {**self.summarize(by_spec, groups), "by_spec": by_spec, "groups": groups, "errors": errors,
-                "seconds": time.perf_counter() - start, "pid": os.getpid(), "peak_memory_gb": step_peak_memory()}
+                "seconds": time.perf_counter() - start, "pid": os.getpid(),
+                "actor": ray.get_runtime_context().get_actor_id(), "peak_memory_gb": step_peak_memory()}
 
     def summarize(self, by_spec: list[dict[str, list[float]]], groups: list[int]) -> dict:
         """The total reward per sample, the components by name, their NCI per group and their spread within groups."""

@@ -168,9 +168,10 @@ def test_past_its_restart_limit_a_failed_learner_rank_ends_the_run_naming_resume
 
 @pytest.mark.slow
 def test_fully_async_samples_a_lost_workers_groups_again(ray_session, tiny_model_path, tmp_path, monkeypatch):
-    """async=fully_async: RolloutWorker-0 is killed as the first step's weights are published, while it streams the
-    next groups. Ray restarts it, the trainer gives it the current weights, its groups are sampled again, and every
-    step still trains on prompts_per_step groups within the staleness bound."""
+    """async=fully_async: RolloutWorker-0 and RewardActor-0 are killed as the first step's weights are published,
+    while the next groups stream. Ray restarts both, the trainer gives the worker the current weights, its groups are
+    sampled again (the reward calls retried), every step still trains on prompts_per_step groups within the
+    staleness bound, and each restart is counted once."""
     import ray
 
     from learners.rollout_stream import RolloutStream
@@ -181,12 +182,13 @@ def test_fully_async_samples_a_lost_workers_groups_again(ray_session, tiny_model
         trained(stream, version, manifest)
         if not killed:
             ray.kill(stream.workers[0], no_restart=False)
+            ray.kill(stream.rewarders[0], no_restart=False)
             killed.append(version)
     monkeypatch.setattr(RolloutStream, "trained", kill_after)
     cfg = tiny_run(tmp_path / "run", "async=fully_async", "total_steps=3", "rollout.fidelity_check_every=3",
                    "eval=null")
     history = Trainer(cfg).fit()
     assert killed == [1] and [r["step"] for r in history] == [1, 2, 3]
-    assert history[-1]["actor_restarts/rollout"] == 1
+    assert history[-1]["actor_restarts/rollout"] == 1 and history[-1]["actor_restarts/reward"] == 1
     assert all(r["stream/version_lag_max"] <= 1 for r in history)
     assert history[-1]["fidelity_max_abs_diff"] <= cfg.fidelity_tolerance()
