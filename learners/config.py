@@ -53,9 +53,11 @@ class RolloutConfig(EngineSettings):
     fidelity_tolerance: float | None = Field(None, gt=0, description="max |engine - learner| logprob after a sync; "
                                                                       "null: the looser of FIDELITY_TOLERANCE"
                                                                       "[model.dtype] and [rollout.dtype]")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] | None = Field(
         None, description="the engine's weights (each sync casts the learner's to it); null: model.dtype. bfloat16 "
-                          "samples faster where the device multiplies it natively, the learner keeping float32")
+                          "samples faster where the device multiplies it natively, the learner keeping float32. "
+                          "auto: bfloat16 for GPU rollouts and where the driver's CPU multiplies it natively "
+                          "(AVX512-BF16, AMX), else model.dtype")
 
     def sampling(self) -> dict:
         """What every generation turn is sampled with (vLLM SamplingParams fields)."""
@@ -339,6 +341,10 @@ class RunConfig(Strict):
 
     def engine_dtype(self) -> str:
         """The dtype rollout (and evaluation) engines hold the policy's weights in."""
+        if self.rollout.dtype == "auto":
+            from cluster.devices import fast_bfloat16
+            native = self.cluster.rollout.num_gpus > 0 or fast_bfloat16("cpu")
+            return "bfloat16" if native else self.model.dtype
         return self.rollout.dtype or self.model.dtype
 
     def engine_args(self) -> dict:

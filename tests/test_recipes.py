@@ -51,6 +51,14 @@ def test_a_bfloat16_engine_beside_a_float32_learner_is_checked_at_bfloat16s_tole
     assert dry_run(engine)["parameters"] == dry_run(shipped)["parameters"]
 
 
+@pytest.mark.parametrize("native, gpus, engine", [(True, 0, "bfloat16"), (False, 0, "float32"), (False, 1, "bfloat16")])
+def test_an_auto_engine_dtype_is_bfloat16_only_where_it_multiplies_natively(monkeypatch, native, gpus, engine):
+    import cluster.devices
+    monkeypatch.setattr(cluster.devices, "fast_bfloat16", lambda device: native)
+    cfg = load_config("configs/tiny.yaml", ["rollout.dtype=auto", f"cluster.rollout.num_gpus={gpus}"])
+    assert cfg.engine_dtype() == engine and cfg.engine_args()["dtype"] == engine
+
+
 def test_placement_packs_whole_gpus_and_shares_fractions():
     cfg = load_config("configs/med_rwr_cluster.yaml")
     plan = {row["actor"]: row for row in device_plan(cfg, ("learner", "rollout", "reward"), gpus_per_node=8)}
