@@ -39,7 +39,10 @@ def test_the_quickstart_trains_the_real_model_and_reports_base_against_trained(s
     assert by_step[0]["eval/hpo:mcq_test/format_rate"] == 0.0
     assert by_step[1]["stage_name"] == "cold_start" and by_step[1]["sft_loss"] > 0
     assert by_step[7]["stage_name"] == "grpo" and "reward_mean" in by_step[7]
-    assert by_step[7]["fidelity_max_abs_diff"] < 1e-3, "the rollout engine holds the learner's weights after a sync"
+    # the engine holds the learner's weights after a sync, to its dtype's rounding (a bfloat16 engine where the CPU
+    # multiplies it natively: rollout.dtype auto)
+    assert by_step[7]["fidelity_max_abs_diff"] <= load_config(out / "config.yaml").fidelity_tolerance()
+    assert by_step[7]["mismatch/kl"] < 0.01, "engine and learner sample nearly the same distribution"
     assert "eval/hpo:mcq_test/accuracy" in by_step[7]
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -44,11 +44,11 @@ def test_memory_estimate_follows_zero_accounting():
 
 
 def test_a_bfloat16_engine_beside_a_float32_learner_is_checked_at_bfloat16s_tolerance():
-    shipped = load_config("configs/quickstart.yaml")
-    assert (shipped.model.dtype, shipped.engine_dtype()) == ("float32", "float32")
+    same = load_config("configs/quickstart.yaml", ["rollout.dtype=float32"])
+    assert (same.model.dtype, same.engine_dtype(), same.fidelity_tolerance()) == ("float32", "float32", 1e-3)
     engine = load_config("configs/quickstart.yaml", ["rollout.dtype=bfloat16"])
     assert engine.engine_dtype() == "bfloat16" and engine.fidelity_tolerance() > ROUNDING_MEASURED["bfloat16"]
-    assert dry_run(engine)["parameters"] == dry_run(shipped)["parameters"]
+    assert dry_run(engine)["parameters"] == dry_run(same)["parameters"]
 
 
 @pytest.mark.parametrize("native, gpus, engine", [(True, 0, "bfloat16"), (False, 0, "float32"), (False, 1, "bfloat16")])
