@@ -61,8 +61,9 @@ def main() -> None:
         lags = lag_counts(history, cfg.rollout.prompts_per_step)
         accuracy = {k.removeprefix("eval/").removesuffix("/accuracy"): v for k, v in history[-1].items()
                     if k.startswith("eval/") and k.endswith("/accuracy")}
-        samples_per_s = samples * len(steady) / sum(r["step_s"] for r in steady)
-        cpu_busy = sum(r["cpu/node_busy_fraction"] * r["step_s"] for r in steady) / sum(r["step_s"] for r in steady)
+        steady_s = sum(r["step_s"] for r in steady)
+        samples_per_s = samples * len(steady) / steady_s
+        cpu_busy = sum(r["cpu/node_busy_fraction"] * r["step_s"] for r in steady) / steady_s
         rows.append({"mode": mode, **mean, "samples_per_s": samples_per_s, "cpu_busy": cpu_busy,
                      "samples_per_s_at_full_cpu": samples_per_s / cpu_busy,
                      "step_over_max_gen_train": mean["step_s"] / max(mean["generate_s"], mean["train_s"]),

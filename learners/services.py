@@ -107,9 +107,14 @@ def count_restarts(actors_by_role: dict[str, list], pids: dict, restarts: dict[s
                 pid = ray.get(call, timeout=30)
             except ACTOR_LOST + (ray.exceptions.GetTimeoutError,):
                 continue
-            if pids.setdefault((role, i), pid) != pid:
-                restarts[role] += 1
-                pids[(role, i)] = pid
+            restarts[role] += changed_process(pids, (role, i), pid)
+
+
+def changed_process(pids: dict, key, pid: int) -> bool:
+    """Whether the actor `key` answered from another process than it did last time; `pids` keeps the latest."""
+    changed = pids.setdefault(key, pid) != pid
+    pids[key] = pid
+    return changed
 
 
 def _process_id(_actor) -> int:

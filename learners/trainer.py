@@ -38,7 +38,7 @@ from learners.metrics import (MetricsLogger, kept_metrics, kept_scores, learner_
 from learners.recovery import Recovery
 from learners.rollout_stream import RolloutStream
 from learners.run_setup import RunSetup
-from learners.services import count_restarts, service_actors, service_roles
+from learners.services import changed_process, count_restarts, service_actors, service_roles
 from learners.stages import Stages
 from learners.validation import Validator, closing_report, plot_curves
 
@@ -295,10 +295,7 @@ class Trainer(Stages, Recovery, RunSetup):
     def note_reward_restarts(self, scores: list[dict]) -> None:
         """Counts each reward actor's restart once: its score dicts then carry another process id under the same
         actor id."""
-        for s in scores:
-            if self.reward_pids.setdefault(s["actor"], s["pid"]) != s["pid"]:
-                self.restarts["reward"] += 1
-                self.reward_pids[s["actor"]] = s["pid"]
+        self.restarts["reward"] += sum(changed_process(self.reward_pids, s["actor"], s["pid"]) for s in scores)
 
     def training_batch(self, rollouts: StepRollouts, scores: list[dict]) -> TrainingBatch:
         """What the learner trains on: the step's rollouts with their rewards, or with dynamic sampling the
