@@ -1,7 +1,8 @@
 """Training's driver of multi-turn episodes on a live vLLM engine (:class:`EpisodeRunner`), and the
 :class:`Environment` it asks: generate until the grammar's action tag closes, hand the action to the environment (a
 retriever, a tool Gym) asynchronously, append its observation with loss mask 0, and continue, up to a turn limit and
-a token budget. The turn logic is the episode's own (actors/episode.py), which serving's agent runs too.
+a token budget. The loop and its turn logic are the episode's own (`actors.episode.play`), which serving's agent runs
+too: the runner answers each episode's requests.
 
 A single-turn task is the same loop with no action tag. Requests go through the engine's add_request/step interface,
 so while one batch of actions is with the environment the engine keeps decoding every other episode.
@@ -9,11 +10,12 @@ so while one batch of actions is with the environment the engine keeps decoding 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import ray
 
 from actors.entropy import topk_entropy
-from actors.episode import Episode, Generation, Observation
+from actors.episode import Act, Episode, EpisodeLoop, Generate, Generation, Observation, next_request, play
 from actors.grammar import Grammar
 from actors.image_tokens import ImageTokens
 
@@ -41,6 +43,14 @@ class Environment:
         return []
 
 
+@dataclass
+class Running:
+    """An episode in the runner's pool: its loop (`actors.episode.play`) and the sampling its generations use."""
+    episode: Episode
+    loop: EpisodeLoop
+    sampling: dict
+
+
 class EpisodeRunner:
     """Drives episodes to completion on `engine` (a vLLM LLMEngine), asking `environment` for an observation each
     time the policy closes the grammar's action tag. `vision`: how a multimodal policy's images become tokens
@@ -60,9 +70,9 @@ class EpisodeRunner:
         self.top_logprobs = 0  # > 0: record each policy token's entropy from this many log-probabilities
         self.cache_salt: str | None = None  # prefixes cached under other weights must not be reused: set per version
         self._next_id = 0
-        self.live: dict[str, tuple[Episode, dict]] = {}  # request id -> (episode, its sampling)
-        # environment calls in flight: ref -> ([(episode, action, index in the result, sampling)], when sent)
-        self.waiting: dict[ray.ObjectRef, tuple[list[tuple[Episode, str, int | None, dict]], float]] = {}
+        self.live: dict[str, Running] = {}  # request id -> the episode generating
+        # environment calls in flight: ref -> ([(episode, its action, its index in the result)], when sent)
+        self.waiting: dict[ray.ObjectRef, tuple[list[tuple[Running, str, int | None]], float]] = {}
         self.ended: list[Episode] = []   # ended and not yet handed back by `advance`
         self.stats = {"env_calls": 0, "env_errors": 0, "idle_s": 0.0}
 
@@ -74,15 +84,17 @@ class EpisodeRunner:
         start = time.perf_counter()
         self.admit(episodes, sampling)
         mine = {id(ep) for ep in episodes}
-        pending = set(mine)
+        pending = {id(ep) for ep in episodes if not ep.finish_reason}
         while pending:
             pending -= {id(ep) for ep in self.tick()}
         self.ended = [ep for ep in self.ended if id(ep) not in mine]
         return {**self.take_stats(), "seconds": time.perf_counter() - start}
 
     def admit(self, episodes: list[Episode], sampling: dict) -> None:
+        """Start each episode's loop; its generations take at most `sampling["max_tokens"]` tokens each."""
         for ep in episodes:
-            self._submit(ep, sampling)
+            loop = play(ep, self.grammar, self.tokenizer, self.vision, lambda _: sampling["max_tokens"])
+            self._answer(Running(ep, loop, sampling), None, self.ended)
 
     def advance(self, seconds: float) -> list[Episode]:
         """Run the pool for about `seconds` (at least one engine step) or until it is empty; returns the episodes
@@ -115,21 +127,19 @@ class EpisodeRunner:
         ended, asking = [], []
         for out in self.engine.step() if self.live else []:
             if out.finished:
-                ep, sampling = self.live.pop(out.request_id)
-                if (action := ep.generated(self.grammar, self.generation(out), vision=self.vision)) is None:
-                    ended.append(ep)
-                else:
-                    asking.append((ep, action, sampling))
+                running = self.live.pop(out.request_id)
+                if (request := self._answer(running, self.generation(out), ended)) is not None:
+                    asking.append((running, request.action))
         if asking:
             self.stats["env_calls"] += len(asking)
             sent = time.perf_counter()
-            calls = self.environment.call([ep for ep, _, _ in asking], [action for _, action, _ in asking])
-            for (ep, action, sampling), pending in zip(asking, calls):
+            calls = self.environment.call([r.episode for r, _ in asking], [action for _, action in asking])
+            for (running, action), pending in zip(asking, calls):
                 if isinstance(pending, Observation):
-                    self._observe(ep, pending, sampling, ended)
+                    self._observe(running, pending, ended)
                 else:
                     ref, index = pending
-                    self.waiting.setdefault(ref, ([], sent))[0].append((ep, action, index, sampling))
+                    self.waiting.setdefault(ref, ([], sent))[0].append((running, action, index))
         if self.waiting:
             self._collect_observations(ended)
         self.ended += ended
@@ -149,36 +159,46 @@ class EpisodeRunner:
                 results, error = ray.get(ref), None
             except Exception as e:  # noqa: BLE001  the episodes get an observation they can recover from
                 results, error = None, type(e).__name__
-            for ep, action, index, sampling in self.waiting.pop(ref)[0]:
+            for running, action, index in self.waiting.pop(ref)[0]:
                 result = results if results is None or index is None else results[index]
-                self._observe(ep, env.observe(ep, action, result, error), sampling, ended)
+                self._observe(running, env.observe(running.episode, action, result, error), ended)
         for ref, (asked, sent) in list(self.waiting.items()):
             if time.perf_counter() - sent > env.timeout_s:
                 self.waiting.pop(ref)
-                for ep, action, _, sampling in asked:
-                    self._observe(ep, env.observe(ep, action, None, "timeout"), sampling, ended)
+                for running, action, _ in asked:
+                    self._observe(running, env.observe(running.episode, action, None, "timeout"), ended)
 
-    def _observe(self, ep: Episode, obs: Observation, sampling: dict, ended: list[Episode]) -> None:
+    def _observe(self, running: Running, obs: Observation, ended: list[Episode]) -> None:
         self.stats["env_errors"] += obs.record.get("error") is not None
-        if ep.observed(self.grammar, obs, self.tokenizer, self.vision):
-            self._submit(ep, sampling)
-        else:
-            ended.append(ep)
+        self._answer(running, obs, ended)
 
-    def _submit(self, ep: Episode, sampling: dict) -> None:
-        """The episode's next generation, with the grammar's stops, as one engine request."""
+    def _answer(self, running: Running, answer: Generation | Observation | None, ended: list[Episode]) -> Act | None:
+        """Give the episode's loop `answer`; its next request: a generation goes to the engine, an action is
+        returned (the caller batches them for the environment), an ended episode joins `ended`."""
+        request = next_request(running.loop, answer)
+        if request is None:
+            ended.append(running.episode)
+        elif isinstance(request, Generate):
+            self._submit(running, request)
+        else:
+            return request
+        return None
+
+    def _submit(self, running: Running, request: Generate) -> None:
+        """A generation the loop asked for, with the grammar's stops, as one engine request."""
         from vllm import SamplingParams
 
+        sampling = running.sampling
         stop_ids = set(sampling.get("stop_token_ids") or []) | set(self.vision.special_ids if self.vision else [])
         stops = set(sampling.get("stop") or []) | set(self.grammar.stops())
         params = SamplingParams(**{**sampling, "stop": sorted(stops), "stop_token_ids": sorted(stop_ids) or None,
-                                   "max_tokens": min(sampling["max_tokens"], ep.room(self.grammar))},
-                                seed=ep.sampling_seed(), logprobs=self.top_logprobs,
+                                   "max_tokens": request.max_tokens},
+                                seed=request.seed, logprobs=self.top_logprobs,
                                 include_stop_str_in_output=True, skip_special_tokens=False)
         request_id = f"ep{self._next_id}"
         self._next_id += 1
-        self.live[request_id] = (ep, sampling)
-        prompt = ep.engine_prompt(self.vision)
+        self.live[request_id] = running
+        prompt = request.prompt
         if self.cache_salt:
             prompt["cache_salt"] = self.cache_salt
         self.engine.add_request(request_id, prompt, params)

@@ -1,11 +1,12 @@
-"""One episode and its turn logic, the one both drivers run: training's `EpisodeRunner` (a batch of episodes on a
-vLLM `LLMEngine`, actors/environment.py) and serving's agent (one request's episode on the async engine,
-serve/agent.py).
+"""One episode, its turn logic and its loop (:func:`play`), the one both drivers run: training's `EpisodeRunner` (a
+batch of episodes on a vLLM `LLMEngine`, actors/environment.py) and serving's agent (one request's episode on the
+async engine, serve/agent.py).
 
-A turn: the engine generates from :meth:`Episode.engine_prompt` with :meth:`Episode.room` tokens at most and
-:meth:`Episode.sampling_seed`; :meth:`Episode.generated` records it and returns the action the policy closed (or
-None: the episode has ended, `finish_reason` says why); the driver asks the environment; :meth:`Episode.observed`
-inserts its observation and says whether the policy goes on.
+A turn: the loop asks for a generation (:class:`Generate`: the episode's prompt so far, at most the tokens left, the
+turn's seed); :meth:`Episode.generated` records it and returns the action the policy closed (or None: the episode has
+ended, `finish_reason` says why); the loop asks the environment (:class:`Act`); :meth:`Episode.observed` inserts its
+observation and says whether the policy goes on. The drivers only answer the loop's requests, each with its own
+engine and environment calls.
 
 Images (a multimodal policy, :class:`actors.image_tokens.ImageTokens`): the episode's token ids hold each image as its
 full run of pad tokens (`<|image_pad|>` for Qwen2-VL; what the learner's forward needs); vLLM gets each run collapsed
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Callable, Generator
 
 import numpy as np
 
@@ -114,7 +116,7 @@ class Episode:
         episode has ended, `finish_reason` says why: vLLM's ("stop" at the answer tag or end of sequence,
         "length"), "turn_limit" or "budget" (an action past the grammar's limits), "vision_token" (a token only images
         may bring, dropped: it would be a fake image). `segment`: the text the action is read from (default the
-        generation's; serving passes a continued assistant message's text before it)."""
+        generation's; :func:`play` puts a continued assistant message's text before the first)."""
         cut = generation.cut_at_image_token(vision)
         self.extend(generation.ids, generation.logprobs, by_policy=True, entropies=generation.entropies,
                     versions=generation.versions)
@@ -184,6 +186,52 @@ class Episode:
                           finish_reason=self.finish_reason, weight_version=min(known, default=version),
                           versions=self.versions, turns=self.turns,
                           images=self.images, image_grids=self.image_grids, branch=self.branch)
+
+
+@dataclass
+class Generate:
+    """The loop asks the engine for the next turn: vLLM's token prompt of the episode so far, at most `max_tokens` new
+    tokens, sampled with `seed` (None: unseeded)."""
+    prompt: dict
+    max_tokens: int
+    seed: int | None
+
+
+@dataclass
+class Act:
+    """The loop asks the environment to answer the action the policy closed."""
+    action: str
+
+
+EpisodeLoop = Generator["Generate | Act", "Generation | Observation", None]
+
+
+def play(episode: Episode, grammar: Grammar, tokenizer, vision: ImageTokens | None = None,
+         limit: Callable[[Episode], int] | None = None, prefix: str = "") -> EpisodeLoop:
+    """The episode loop: yields a :class:`Generate` (answer it with the engine's :class:`Generation`) or an
+    :class:`Act` (answer it with the environment's :class:`Observation`) until the episode ends; `finish_reason` then
+    says why. `limit(episode)`: the driver's own bound on the next generation (a per-turn `max_tokens`, a served
+    request's token and context budget), beside the grammar's response budget; no room left ends it with "budget".
+    `prefix`: text already in the prompt that belongs to the first turn's action (a continued assistant message)."""
+    segment = prefix
+    while True:
+        room = episode.room(grammar) if limit is None else min(episode.room(grammar), limit(episode))
+        if room <= 0:
+            episode.finish_reason = "budget"
+            return
+        generation = yield Generate(episode.engine_prompt(vision), room, episode.sampling_seed())
+        action = episode.generated(grammar, generation, segment + generation.text, vision)
+        if action is None or not episode.observed(grammar, (yield Act(action)), tokenizer, vision):
+            return
+        segment = ""
+
+
+def next_request(loop: EpisodeLoop, answer: Generation | Observation | None = None) -> Generate | Act | None:
+    """The loop's next request once it has `answer` (None: its first), or None once the episode has ended."""
+    try:
+        return loop.send(answer)
+    except StopIteration:
+        return None
 
 
 def token_versions(spans, n: int) -> list[int] | None:

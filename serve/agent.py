@@ -1,7 +1,7 @@
 """Agent mode: the served policy's multi-turn loop, with retrieval or with tools, on a served request.
 
-Training's episode and turn logic (`actors.episode.Episode`, the grammar `actors.grammar.Grammar`), driven here by one
-request on the async engine: the model writes until it closes the action tag, the action goes to the environment (an
+Training's episode loop and turn logic (`actors.episode.play`, the grammar `actors.grammar.Grammar`), driven here by
+one request on the async engine: the model writes until it closes the action tag, the action goes to the environment (an
 `Observe`), its observation comes back inside the observation tag and the model continues, until it closes
 `</answer>`, runs out of turns or of its token budget, or the environment ends the episode.
 Two environments: retrieval (`retrieval_observer`: `</query>` -> hits in `<retrieve>...`, as the Retriever shows them in
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from actors.cdir import THRESHOLD, answer_confidence, case_observation, cdir_fires, token_pieces
-from actors.episode import Episode, Generation, Observation, rgb_array
+from actors.episode import Act, Episode, Generation, Observation, next_request, play, rgb_array
 from actors.grammar import Grammar
 from actors.retrieval_env import RetrievalEnvironment
 from actors.image_tokens import ImageTokens
@@ -107,8 +107,8 @@ async def run_agent(generate: Generate, observe: Observe, tokenizer, grammar: Gr
                     images: list = (), vision: ImageTokens | None = None, prefix: str = "", max_tokens: int,
                     max_model_len: int, stop: list[str], seed: int | None, timeout_s: float, cdir: Cdir | None = None,
                     emit: Emit = ignore) -> AgentResult:
-    """Drive one episode over `prompt_ids` (vLLM's form: one placeholder per image of `images`) with training's turn
-    logic (`actors.episode.Episode`). `prefix` is text already in the prompt that belongs to the model's first turn
+    """Drive one episode over `prompt_ids` (vLLM's form: one placeholder per image of `images`) with training's episode
+    loop (`actors.episode.play`). `prefix` is text already in the prompt that belongs to the model's first turn
     (a continued assistant message), so an action it opened is closed by the first generation. `max_tokens` bounds
     the model's tokens; the grammar's `max_response_tokens` bounds model and environment tokens together;
     `max_model_len` the whole context, image tokens included. `vision`: the policy's image tokens, needed when the
@@ -131,22 +131,32 @@ async def run_agent(generate: Generate, observe: Observe, tokenizer, grammar: Gr
 async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Grammar, episode: Episode,
                    vision: ImageTokens | None, prefix: str, max_tokens: int, max_model_len: int, stop: list[str],
                    timeout_s: float, cdir: Cdir | None, emit: Emit) -> AgentResult:
-    """The loop of :func:`run_agent`; its result has a CDIR record only when the episode answered."""
-    transcript, segment, written = "", prefix, 0
+    """Training's episode loop (`actors.episode.play`) answered with the async engine and `observe`, each turn
+    emitted; the result has a CDIR record only when the episode answered."""
+    transcript, written = "", 0
     stops = sorted(set(stop) | set(grammar.stops()))
-    while True:
-        room = min(max_tokens - written, episode.room(grammar),
-                   max_model_len - len(episode.prompt_ids) - len(episode.response_ids))
-        if room <= 0:
-            return AgentResult(None, "budget", transcript, written, episode.turns)
-        seed, turn_start, history = episode.sampling_seed(), len(episode.response_ids), transcript
-        generation = await generate(episode.engine_prompt(vision), room, stops, seed)
+
+    def limit(ep: Episode) -> int:  # the request's own budgets: the tokens it may write, the model's context
+        return min(max_tokens - written, max_model_len - len(ep.prompt_ids) - len(ep.response_ids))
+
+    loop = play(episode, grammar, tokenizer, vision, limit, prefix)
+    request = next_request(loop)
+    while request is not None:
+        if isinstance(request, Act):
+            shown_from, images_before = len(episode.response_ids), len(episode.images)
+            request = next_request(loop, await observe(request.action, episode.turns))
+            shown = _decode(tokenizer, vision, episode.response_ids[shown_from:])
+            transcript += shown
+            emit({"kind": "observation", **episode.turns[-1], "turn": len(episode.turns) - 1,
+                  "images": len(episode.images) - images_before, "text": shown})
+            continue
+        turn_start, history = len(episode.response_ids), transcript
+        generation = await generate(request.prompt, request.max_tokens, stops, request.seed)
         transcript += generation.text
-        segment += generation.text
         written += len(generation.ids)
         emit({"kind": "model", "turn": len(episode.turns), "text": generation.text})
-        action = episode.generated(grammar, generation, segment, vision)
-        if action is None and generation.stop_reason == f"</{grammar.answer_tag}>":
+        seed, request = request.seed, next_request(loop, generation)
+        if request is None and generation.stop_reason == f"</{grammar.answer_tag}>":
             confidence = answer_confidence(token_pieces(tokenizer, generation.ids), generation.logprobs,
                                            [1] * len(generation.ids), grammar.answer_tag)
             result = AgentResult(_answer(prefix + transcript, grammar), "answer", transcript, written, episode.turns,
@@ -155,17 +165,7 @@ async def _episode(generate: Generate, observe: Observe, tokenizer, grammar: Gra
                 return await _reanswer(result, cdir, generate, tokenizer, grammar, vision, episode, turn_start,
                                        history, prefix, max_tokens, max_model_len, stop, seed, timeout_s, emit)
             return result
-        if action is None:
-            return AgentResult(None, episode.finish_reason, transcript, written, episode.turns)
-        shown_from, images_before = len(episode.response_ids), len(episode.images)
-        going_on = episode.observed(grammar, await observe(action, episode.turns), tokenizer, vision)
-        shown = _decode(tokenizer, vision, episode.response_ids[shown_from:])
-        transcript += shown
-        emit({"kind": "observation", **episode.turns[-1], "turn": len(episode.turns) - 1,
-              "images": len(episode.images) - images_before, "text": shown})
-        if not going_on:
-            return AgentResult(None, episode.finish_reason, transcript, written, episode.turns)
-        segment = ""
+    return AgentResult(None, episode.finish_reason, transcript, written, episode.turns)
 
 
 def _decode(tokenizer, vision: ImageTokens | None, ids: list[int]) -> str:

@@ -1,8 +1,8 @@
-"""The turn logic training's EpisodeRunner and serving's agent both run (`actors.episode.Episode`), by hand: what a
-generation and an observation do to an episode, and why it ends."""
+"""The episode loop and turn logic training's EpisodeRunner and serving's agent both run (`actors.episode.play`,
+`actors.episode.Episode`), by hand: what a generation and an observation do to an episode, and why it ends."""
 import pytest
 
-from actors.episode import Episode, Generation, Observation
+from actors.episode import Act, Episode, Generate, Generation, Observation, next_request, play
 from actors.grammar import Grammar
 
 
@@ -31,6 +31,32 @@ def test_a_closed_action_goes_to_the_environment_and_its_observation_is_masked(t
     # a continued message's text before the generation is where serving reads the action from
     assert Episode(task={}, group=0, seed=None, prompt_ids=[1]).generated(
         grammar, asking("</query>"), segment="<query>marfan</query>") == "marfan"
+
+
+def test_the_loop_asks_for_a_generation_then_the_environment_until_the_episode_ends(tokenizer):
+    grammar = Grammar(action_tag="query", max_turns=2, max_response_tokens=200, max_observation_tokens=50)
+    ep = Episode(task={}, group=0, seed=7, prompt_ids=[1, 2])
+    loop = play(ep, grammar, tokenizer, limit=lambda _: 64, prefix="<query>marfan")
+    first = next_request(loop)
+    assert first == Generate({"prompt_token_ids": [1, 2]}, 64, 7)  # the driver's limit is below the grammar's room
+    # the first turn's action is read with the continued message's text before it
+    assert next_request(loop, asking(" syndrome</query>")) == Act("marfan syndrome")
+    second = next_request(loop, Observation("Marfan syndrome: tall", {"query": "marfan syndrome"}))
+    assert isinstance(second, Generate) and second.prompt == {"prompt_token_ids": [1, 2] + ep.response_ids}
+    assert second.seed not in (None, 7) and ep.turns == [{"query": "marfan syndrome"}]
+    answer = Generation("<answer>B</answer>", [3, 4], [-1.0, -1.0], "stop", "</answer>")
+    assert next_request(loop, answer) is None and ep.finish_reason == "stop"
+
+
+def test_the_loop_ends_with_budget_when_the_driver_leaves_no_room(tokenizer):
+    grammar = Grammar(action_tag="query", max_turns=4, max_response_tokens=200, max_observation_tokens=50)
+    ep = Episode(task={}, group=0, seed=0, prompt_ids=[1])
+    written = {"tokens": 0}
+    loop = play(ep, grammar, tokenizer, limit=lambda _: 5 - written["tokens"])
+    assert next_request(loop).max_tokens == 5
+    written["tokens"] = 5
+    assert next_request(loop, asking()) == Act("gout")
+    assert next_request(loop, Observation("Gout", {"query": "gout"})) is None and ep.finish_reason == "budget"
 
 
 @pytest.mark.parametrize("generation,finish", [
