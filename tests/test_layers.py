@@ -90,3 +90,12 @@ def test_actors_hold_no_builder_command_line():
     programs = [str(p.relative_to(ROOT)) for p in (ROOT / "actors").rglob("*.py")
                 if "__main__" in p.read_text() or "argparse" in p.read_text()]
     assert programs == []
+
+
+def test_one_episode_loop_drives_the_turn_logic():
+    """Training's rollouts and serving's agent run one episode loop (`actors.episode.play`): no other module records a
+    generation or an observation into an episode itself."""
+    callers = [f"{p.relative_to(ROOT)}:{i}" for floor in FLOORS for p in (ROOT / floor).rglob("*.py")
+               for i, line in enumerate(p.read_text().splitlines(), 1)
+               if re.search(r"\.(generated|observed)\(", line) and p != ROOT / "actors" / "episode.py"]
+    assert callers == []
