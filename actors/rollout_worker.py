@@ -12,7 +12,7 @@ from actors.episode import Episode, Generation, derive_seed, engine_prompt, rgb_
 from actors.grammar import Grammar
 from actors.hooks import RolloutBatch, RolloutHook
 from actors.image_tokens import ImageTokens
-from actors.trajectory import Trajectory
+from actors.trajectory import GroupSummary, RolloutSummary, SliceSummary, Trajectory
 from actors.engine_weights import (begin_reload, finish_reload, join_broadcast, load_broadcast, load_weights,
                                    quiet_reload_notices)
 from cluster.devices import accelerator, step_peak_memory
@@ -39,7 +39,8 @@ def task_prompt(task: dict, tokenizer, vision: ImageTokens | None) -> tuple[list
 
 
 def shape(trajectories: list[Trajectory]) -> dict:
-    """What a rollout summary says of its trajectories: response lengths, policy tokens, finish reasons."""
+    """The fields a RolloutSummary or GroupSummary takes from its trajectories: response lengths, policy tokens,
+    finish reasons."""
     return {"lengths": [len(t.response_ids) for t in trajectories],
             "policy_tokens": sum(t.num_policy_tokens for t in trajectories),
             "finish_reasons": [t.finish_reason for t in trajectories]}
@@ -131,7 +132,7 @@ class RolloutWorker:
 
     def rollout(self, tasks: list[dict], groups: list[int], group_size: int, sampling: dict,
                 seed: int, grammar: dict | None = None,
-                hooks: list[RolloutHook] = ()) -> tuple[list[Trajectory], dict]:
+                hooks: list[RolloutHook] = ()) -> tuple[list[Trajectory], RolloutSummary]:
         """`group_size` episodes of each task, single- or multi-turn as the grammar says (`grammar`: this stage's,
         when it differs from the one the worker started with). Sample j of group g uses seed hash(seed, g, j), so a
         step's samples are reproducible whatever the worker count. `hooks`: the recipe's rollout hooks
@@ -164,14 +165,15 @@ class RolloutWorker:
         trajectories = [ep.to_trajectory(self.tokenizer, self.version) for group in by_group for ep in group]
         for hook in hooks:
             hook_stats.update(hook.finish(self, trajectories))
-        summary = {**stats, **shape(trajectories), "version": self.version,
-                   "hook_stats": hook_stats, "peak_memory_gb": step_peak_memory()}
+        summary = RolloutSummary(**shape(trajectories), env_calls=stats["env_calls"], env_errors=stats["env_errors"],
+                                 idle_s=stats["idle_s"], seconds=stats["seconds"], version=self.version,
+                                 peak_memory_gb=step_peak_memory(), hook_stats=hook_stats)
         return trajectories, summary
 
     def stream(self, call: RolloutCall, seconds: float):
         """Fully asynchronous rollouts: admit `call`'s groups to the episode pool, run the pool for about `seconds`
-        (or until it is empty), and yield each group that ended as a list of trajectories, then a summary whose
-        `groups` lists, in the order yielded, each group's index, its oldest weight version and whether its
+        (or until it is empty), and yield each group that ended as a list of trajectories, then a SliceSummary whose
+        `groups` describes them, in the order yielded: each group's index, its oldest weight version and whether its
         tokens span several versions (a partial rollout: the weights changed while it was sampled). Episodes go on
         across calls; a weight update between calls reaches those in flight."""
         if self.vision is not None:
@@ -194,12 +196,14 @@ class RolloutWorker:
         for group in sorted(g for g in done if all(ep.finish_reason for ep in self.streamed[g])):
             trajectories = [ep.to_trajectory(self.tokenizer, self.version) for ep in self.streamed.pop(group)]
             yield trajectories
-            groups.append({"group": group, "version": min(t.weight_version for t in trajectories),
-                           "partial": any(len({v for v, m in zip(t.versions, t.loss_mask) if m}) > 1
-                                          for t in trajectories),
-                           "env_calls": sum(len(t.turns) for t in trajectories), **shape(trajectories)})
-        yield {**self.runner.take_stats(), "seconds": time.perf_counter() - start, "groups": groups,
-               "in_flight": len(self.streamed), "version": self.version, "peak_memory_gb": step_peak_memory()}
+            groups.append(GroupSummary(group=group, version=min(t.weight_version for t in trajectories),
+                                       partial=any(len({v for v, m in zip(t.versions, t.loss_mask) if m}) > 1
+                                                   for t in trajectories),
+                                       env_calls=sum(len(t.turns) for t in trajectories), **shape(trajectories)))
+        stats = self.runner.take_stats()
+        yield SliceSummary(groups=groups, in_flight=len(self.streamed), env_errors=stats["env_errors"],
+                           idle_s=stats["idle_s"], seconds=time.perf_counter() - start,
+                           peak_memory_gb=step_peak_memory())
 
     def drop_stream(self) -> int:
         """Abandon the streamed groups in flight; returns how many."""

@@ -37,3 +37,45 @@ class Trajectory:
     @property
     def num_policy_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+@dataclass
+class RolloutSummary:
+    """What a rollout worker reports of one share of trajectories besides the trajectories themselves: one per
+    `RolloutWorker.rollout` call, or in fully asynchronous mode one per training batch (learners/rollout_stream.py).
+    The step's rollout columns of metrics.jsonl are computed from these (learners/metrics.py `step_metrics`),
+    an evaluation's environment use too; `version` tells the driver whether a restarted worker sampled the share
+    with older weights."""
+    lengths: list[int]              # each trajectory's response tokens (policy and environment), in share order
+    finish_reasons: list[str]       # each trajectory's (Trajectory.finish_reason; "length": truncated)
+    policy_tokens: int              # tokens the policy sampled over the share (loss mask 1)
+    env_calls: int                  # environment calls the episodes made
+    env_errors: int                 # of those, calls that returned an error observation
+    idle_s: float                   # seconds the engine had nothing to decode while environment calls were out
+    seconds: float                  # wall time of the share's generation
+    version: int                    # the (oldest) learner weight version that sampled the share
+    peak_memory_gb: dict[str, float]  # the worker's peaks over the share (cluster.devices.step_peak_memory)
+    hook_stats: dict[str, float] = field(default_factory=dict)  # the recipe's rollout hooks' numbers (actors/hooks.py)
+
+
+@dataclass
+class GroupSummary:
+    """What `RolloutWorker.stream` says of one finished group (fully asynchronous rollouts)."""
+    group: int                      # the group's number in the stream
+    version: int                    # the oldest weight version of its trajectories
+    partial: bool                   # some trajectory's policy tokens span several weight versions
+    env_calls: int                  # environment calls of its episodes (their turns)
+    lengths: list[int]              # as in RolloutSummary, over the group
+    finish_reasons: list[str]
+    policy_tokens: int
+
+
+@dataclass
+class SliceSummary:
+    """What `RolloutWorker.stream` yields after the groups one slice of generation finished."""
+    groups: list[GroupSummary]      # the groups finished in the slice, in the order yielded
+    in_flight: int                  # groups still in the worker's episode pool
+    env_errors: int                 # the slice's environment errors and engine idle time, as in RolloutSummary
+    idle_s: float
+    seconds: float                  # the slice's wall time
+    peak_memory_gb: dict[str, float]

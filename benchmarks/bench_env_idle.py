@@ -38,9 +38,9 @@ def measure(name: str, model: str, environment, grammar: dict, tasks: list[dict]
         _, summary = ray.get(worker.rollout.remote(tasks, list(range(len(tasks))), 1, sampling, 0, grammar))
     finally:
         ray.kill(worker)
-    return {"environment": name, "episodes": len(tasks), "env_calls": summary["env_calls"],
-            "env_errors": summary["env_errors"], "rollout_s": round(summary["seconds"], 2),
-            "idle_s": round(summary["idle_s"], 5), "idle_share": round(summary["idle_s"] / summary["seconds"], 5)}
+    return {"environment": name, "episodes": len(tasks), "env_calls": summary.env_calls,
+            "env_errors": summary.env_errors, "rollout_s": round(summary.seconds, 2),
+            "idle_s": round(summary.idle_s, 5), "idle_share": round(summary.idle_s / summary.seconds, 5)}
 
 
 def main() -> None:

@@ -35,11 +35,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from actors.trajectory import RolloutSummary  # noqa: E402
 from learners.config import load_config  # noqa: E402
 from learners.intervals import mean_interval, proportion  # noqa: E402
 
 
-def score(trajectories: list, summaries: list[dict]) -> dict:
+def score(trajectories: list, summaries: list[RolloutSummary]) -> dict:
     """Metrics of greedy episodes, one per task: accuracy (multiple choice; for ranked open diagnoses, top-1, with
     `top3_accuracy` beside it), exact-match `closed_accuracy` (closed yes/no questions, by the task's `answer_type`),
     text similarity (other open questions), and format and tool use."""
@@ -50,8 +51,8 @@ def score(trajectories: list, summaries: list[dict]) -> dict:
     metrics = {"n": n,
                "format_rate": mean_interval([extract_answer(t.text) is not None for t in trajectories]),
                "response_length": float(np.mean([len(t.response_ids) for t in trajectories])),
-               "env_calls_per_sample": sum(s["env_calls"] for s in summaries) / n,
-               "env_errors": sum(s["env_errors"] for s in summaries)}
+               "env_calls_per_sample": sum(s.env_calls for s in summaries) / n,
+               "env_errors": sum(s.env_errors for s in summaries)}
     mcq = [t for t in trajectories if t.task.get("options")]
     ranked = [t for t in trajectories if not t.task.get("options") and is_ranked(t.task)]
     with_gold_doc = [t for t in mcq + ranked if (t.task.get("metadata") or {}).get("kb_doc_id")]
@@ -179,7 +180,7 @@ def text_only_view(tasks: list[dict], policy_path: str) -> list[dict]:
 
 def run_episodes(workers: list, tasks: list[dict], sampling: dict, seed: int, batch_size: int = 64,
                  grammar: dict | None = None, desc: str = "evaluate", version: int = 0,
-                 restore=None) -> tuple[list, list[dict]]:
+                 restore=None) -> tuple[list, list[RolloutSummary]]:
     """One episode per task on `workers` (spread evenly, `batch_size` tasks per call on each), in task order;
     returns the trajectories and the workers' summaries. A share lost with its worker is generated again
     (learners/fleet.py `gather_shares`, with `version` and `restore` as there), so each task is answered once."""

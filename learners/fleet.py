@@ -19,6 +19,7 @@ from typing import Callable
 import ray
 
 from actors.rollout_worker import RolloutCall, RolloutWorker
+from actors.trajectory import RolloutSummary
 from cluster.placement import Placement, place
 from cluster.ray_session import ACTOR_LOST, start_or_join, wait_until_ready
 from learners.memory_plan import check_local_run
@@ -35,7 +36,8 @@ def send_shares(workers: list, calls: list[RolloutCall]) -> tuple[list, list]:
 
 
 def gather_shares(workers: list, calls: list[RolloutCall], trajectories: list, summaries: list, what: str,
-                  version: int = 0, restore: Callable[[int], None] | None = None, attempts: int = 3) -> list[dict]:
+                  version: int = 0, restore: Callable[[int], None] | None = None,
+                  attempts: int = 3) -> list[RolloutSummary]:
     """The summaries of the shares `send_shares` sent, once every worker's has arrived. A share lost with its worker
     (killed, out of memory), or sampled by a worker Ray restarted with weights older than `version`, is generated
     again by the same call (the same seeds, so the same episodes) once the worker answers again and `restore(i)` has
@@ -47,10 +49,10 @@ def gather_shares(workers: list, calls: list[RolloutCall], trajectories: list, s
         for attempt in range(attempts + 1):
             try:
                 summary = ray.get(summaries[i])
-                if summary["version"] >= version:
+                if summary.version >= version:
                     gathered.append(summary)
                     break
-                problem = f"restarted with the weights of version {summary['version']}"
+                problem = f"restarted with the weights of version {summary.version}"
             except ACTOR_LOST as e:
                 problem = f"lost ({type(e).__name__})"
             if attempt == attempts:

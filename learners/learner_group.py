@@ -11,6 +11,7 @@ import torch
 
 from cluster.devices import allocator_env
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
+from learners.learner_step import LearnerStep
 from learners.learner_worker import LearnerWorker
 from learners.metrics import peak_memory
 
@@ -78,7 +79,8 @@ class LearnerGroup:
             self._all([r.load.remote(str(resume_from), resume_source) for r in self.ranks], "resume")
         self.nodes = ray.get([r.node.remote() for r in self.ranks])  # which rank uploads which checkpoint share
 
-    def train(self, trajectory_refs: list, advantages: list[float] | None, stage_cfg, objective: str = "grpo") -> dict:
+    def train(self, trajectory_refs: list, advantages: list[float] | None, stage_cfg,
+              objective: str = "grpo") -> LearnerStep:
         """One batch on every rank: rollouts with their advantages (grpo) or demonstrations (sft)."""
         algorithm = stage_cfg.algorithm.model_dump()
         algorithm["loss_norm_length"] = algorithm["loss_norm_length"] or stage_cfg.rollout.max_new_tokens
@@ -99,10 +101,12 @@ class LearnerGroup:
                         "mismatch/corrected_fraction": summed["mismatch_corrected_sum"] / summed["mismatch_tokens"]}
         seconds = max(p["seconds"] for p in per_rank)
         held = {f"memory/learner_{k}": max(p["held_gb"][k] for p in per_rank) for k in per_rank[0]["held_gb"]}
-        return {**summed, **mismatch, **peak_memory("learner", [p["peak_memory_gb"] for p in per_rank]), **held,
-                "learner_tokens": tokens, "learner_tokens_per_s": tokens / seconds,
-                "grad_norm": per_rank[0]["grad_norm"], "lr": per_rank[0]["lr"],
-                "optimizer_steps": per_rank[0]["optimizer_steps"], "seconds": seconds}
+        return LearnerStep(
+            loss=summed["loss"], mask_sum=summed["mask_sum"], clip_sum=summed["clip_sum"], kl_sum=summed["kl_sum"],
+            entropy_sum=summed["entropy_sum"], grad_norm=per_rank[0]["grad_norm"], lr=per_rank[0]["lr"],
+            optimizer_steps=per_rank[0]["optimizer_steps"], seconds=seconds,
+            reports={**mismatch, **peak_memory("learner", [p["peak_memory_gb"] for p in per_rank]), **held,
+                     "learner_tokens": tokens, "learner_tokens_per_s": tokens / seconds})
 
     def _all(self, calls: list, what: str, called: list[int] | None = None) -> list:
         return gather_ranks(calls, self.ranks, what, called)

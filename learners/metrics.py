@@ -17,8 +17,10 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from actors.trajectory import RolloutSummary
 from learners.config import LoggingConfig
 from learners.dynamic_sampling import gather, kept_groups
+from learners.learner_step import LearnerStep
 from learners.traces import TraceLog, line_step
 from rewards.registry import is_diagnostic
 from tasks.extras import require
@@ -161,11 +163,11 @@ def start_wandb(out: Path, cfg: LoggingConfig, resumed: bool):
                       settings=wandb.Settings(silent=not cfg.verbose))
 
 
-def hook_stats(summaries: list[dict]) -> dict[str, float]:
+def hook_stats(summaries: list[RolloutSummary]) -> dict[str, float]:
     """The numbers the recipe's rollout hooks returned (actors/hooks.py), summed over the workers' summaries."""
     total: dict[str, float] = {}
     for summary in summaries:
-        for k, v in summary.get("hook_stats", {}).items():
+        for k, v in summary.hook_stats.items():
             total[k] = total.get(k, 0) + v
     return total
 
@@ -225,42 +227,35 @@ def kept_metrics(rounds: list[list[dict]], group_size: int, num_groups: int) -> 
     return reward_metrics(kept_scores(rounds, picks, group_size), suffix="_kept")
 
 
-def step_metrics(step: int, scores: list[dict], summaries: list[dict], train: dict, sync: dict,
+def step_metrics(step: int, scores: list[dict], summaries: list[RolloutSummary], train: LearnerStep, sync: dict,
                  version: int) -> dict:
     """One line of metrics.jsonl: reward and its components (`reward_metrics` over `scores`: with dynamic sampling
     every generation round's, i.e. all the groups sampled in the step, not only those kept for training), lengths,
     learner statistics and timings."""
-    lengths = [n for s in summaries for n in s["lengths"]]
-    batch_versions = [s["version"] for s in summaries]
+    lengths = [n for s in summaries for n in s.lengths]
+    batch_versions = [s.version for s in summaries]
     tokens = sum(lengths)
-    mask_sum = max(train["mask_sum"], 1.0)
+    mask_sum = max(train.mask_sum, 1.0)
     return {
         "step": step,
         **reward_metrics(scores),
         "response_length": float(np.mean(lengths)),
-        "truncated_fraction": float(np.mean([r == "length" for s in summaries for r in s["finish_reasons"]])),
-        "env_calls": sum(s["env_calls"] for s in summaries), "env_errors": sum(s["env_errors"] for s in summaries),
-        "env_calls_per_episode": sum(s["env_calls"] for s in summaries) / max(len(lengths), 1),
-        "env_idle_fraction": sum(s["idle_s"] for s in summaries) / max(sum(s["seconds"] for s in summaries), 1e-9),
+        "truncated_fraction": float(np.mean([r == "length" for s in summaries for r in s.finish_reasons])),
+        "env_calls": sum(s.env_calls for s in summaries), "env_errors": sum(s.env_errors for s in summaries),
+        "env_calls_per_episode": sum(s.env_calls for s in summaries) / max(len(lengths), 1),
+        "env_idle_fraction": sum(s.idle_s for s in summaries) / max(sum(s.seconds for s in summaries), 1e-9),
         **hook_stats(summaries),
-        "kl": train["kl_sum"] / mask_sum, "entropy": train["entropy_sum"] / mask_sum,
-        "clip_fraction": train["clip_sum"] / mask_sum, "grad_norm": train["grad_norm"], "lr": train["lr"],
-        "loss": train["loss"], "optimizer_steps": train["optimizer_steps"],
-        "generate_s": max(s["seconds"] for s in summaries), "reward_s": max(s["seconds"] for s in scores), "train_s": train["seconds"],
+        "kl": train.kl_sum / mask_sum, "entropy": train.entropy_sum / mask_sum,
+        "clip_fraction": train.clip_sum / mask_sum, "grad_norm": train.grad_norm, "lr": train.lr,
+        "loss": train.loss, "optimizer_steps": train.optimizer_steps,
+        "generate_s": max(s.seconds for s in summaries), "reward_s": max(s["seconds"] for s in scores), "train_s": train.seconds,
         **sync,
-        "tokens_per_s": tokens / max(max(s["seconds"] for s in summaries), 1e-9),
+        "tokens_per_s": tokens / max(max(s.seconds for s in summaries), 1e-9),
         "batch_weight_version": min(batch_versions), "weight_version": version,
         "version_lag": version - 1 - min(batch_versions),
-        **learner_reports(train), **peak_memory("rollout", [s["peak_memory_gb"] for s in summaries]),
+        **train.reports, **peak_memory("rollout", [s.peak_memory_gb for s in summaries]),
         **peak_memory("reward", [s["peak_memory_gb"] for s in scores]),
     }
-
-
-def learner_reports(train: dict) -> dict:
-    """What the learner group reports under its own names: `mismatch/*` (engine vs learner), `memory/*`, and the
-    tokens its forwards and backwards processed (`learner_tokens`, per second of its step `learner_tokens_per_s`)."""
-    return {k: v for k, v in train.items()
-            if k.startswith(("mismatch/", "memory/")) or k in ("learner_tokens", "learner_tokens_per_s")}
 
 
 def peak_memory(role: str, peaks: list[dict[str, float]]) -> dict[str, float]:

@@ -21,6 +21,7 @@ from typing import Callable
 import ray
 
 from actors.rollout_worker import RolloutCall
+from actors.trajectory import GroupSummary, RolloutSummary, SliceSummary
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners.dynamic_sampling import informative
 from learners.metrics import sample_totals
@@ -32,14 +33,13 @@ SLICE_S = 2.0  # a worker takes new weights and new groups this often: the lag a
 
 @dataclass
 class StreamedGroup:
-    """A finished group: its trajectories and their scores (refs), and the worker's summary of it (`stream`'s
-    `groups` entry: its index, oldest weight version, whether it is a partial rollout, lengths...)."""
+    """A finished group: its trajectories and their scores (refs), and the worker's summary of it."""
     trajectories: ray.ObjectRef
     scores: ray.ObjectRef
-    summary: dict
+    summary: GroupSummary
 
-    version = property(lambda self: self.summary["version"])
-    partial = property(lambda self: self.summary["partial"])
+    version = property(lambda self: self.summary.version)
+    partial = property(lambda self: self.summary.partial)
 
 
 class RolloutStream:
@@ -64,7 +64,7 @@ class RolloutStream:
         self.lost: set[int] = set()                         # workers Ray restarted, waiting for their weights
         self.assigned: list[set[int]] = [set() for _ in workers]
         self.ready: dict[int, StreamedGroup] = {}
-        self.slices: list[dict] = []                        # slice summaries since the last batch
+        self.slices: list[tuple[int, SliceSummary]] = []    # (worker, its slice's summary) since the last batch
         self.counts = {"stale_dropped": 0, "groups_filtered": 0}
         self.paused = self.closed = False
         self.held = [version] * len(workers)               # the weight version each worker holds
@@ -88,7 +88,7 @@ class RolloutStream:
                 stale = group.version < self.version - self.max_staleness
             score = ray.get(group.scores)
             empty = self.counts["groups_filtered"] < self.uniform_drops and \
-                not informative(sample_totals([score]), len(group.summary["lengths"]))
+                not informative(sample_totals([score]), len(group.summary.lengths))
             if stale or empty:
                 with self.cond:
                     self.counts["stale_dropped" if stale else "groups_filtered"] += 1
@@ -195,12 +195,11 @@ class RolloutStream:
         *groups, summary = self.workers[i].stream.options(num_returns="streaming").remote(call, SLICE_S)
         summary = ray.get(summary)
         with self.cond:
-            summary["worker"] = i
-            for ref, meta in zip(groups, summary["groups"]):
-                scores = self.rewarders[meta["group"] % len(self.rewarders)].score.remote(ref)
-                self.ready[meta["group"]] = StreamedGroup(ref, scores, meta)
-                self.assigned[i].discard(meta["group"])
-            self.slices.append(summary)
+            for ref, meta in zip(groups, summary.groups):
+                scores = self.rewarders[meta.group % len(self.rewarders)].score.remote(ref)
+                self.ready[meta.group] = StreamedGroup(ref, scores, meta)
+                self.assigned[i].discard(meta.group)
+            self.slices.append((i, summary))
             self.cond.notify_all()
 
     def _lost(self, i: int, err: BaseException) -> None:
@@ -230,20 +229,21 @@ class RolloutStream:
             self.cond.notify_all()
         return True
 
-    def summaries(self, batch: list[StreamedGroup], slices: list[dict]) -> list[dict]:
-        """The batch as one rollout summary (the fields `learners.metrics.step_metrics` reads): its groups' lengths,
-        finish reasons and environment calls, the slices' environment errors and idle time, and each worker's
-        generating time since the last batch (the longest)."""
-        busy = [sum(s["seconds"] for s in slices if s["worker"] == i) for i in range(len(self.workers))]
-        last = {s["worker"]: s["peak_memory_gb"] for s in slices}
-        return [{"lengths": [n for g in batch for n in g.summary["lengths"]],
-                 "finish_reasons": [r for g in batch for r in g.summary["finish_reasons"]],
-                 "policy_tokens": sum(g.summary["policy_tokens"] for g in batch),
-                 "env_calls": sum(g.summary["env_calls"] for g in batch),
-                 **{k: sum(s[k] for s in slices) for k in ("env_errors", "idle_s")},
-                 "seconds": max(busy), "version": min(g.version for g in batch), "hook_stats": {},
-                 "peak_memory_gb": {k: max(p[k] for p in last.values() if k in p)
-                                    for k in {k for p in last.values() for k in p}}}]
+    def summaries(self, batch: list[StreamedGroup], slices: list[tuple[int, SliceSummary]]) -> list[RolloutSummary]:
+        """The batch as one rollout summary: its groups' lengths, finish reasons and environment calls, the slices'
+        (`take`'s "slices": (worker, summary) pairs) environment errors and idle time, each worker's generating time
+        since the last batch (the longest), and each worker's peak memory in its last slice."""
+        busy = [sum(s.seconds for w, s in slices if w == i) for i in range(len(self.workers))]
+        last = {w: s.peak_memory_gb for w, s in slices}
+        return [RolloutSummary(lengths=[n for g in batch for n in g.summary.lengths],
+                               finish_reasons=[r for g in batch for r in g.summary.finish_reasons],
+                               policy_tokens=sum(g.summary.policy_tokens for g in batch),
+                               env_calls=sum(g.summary.env_calls for g in batch),
+                               env_errors=sum(s.env_errors for _, s in slices),
+                               idle_s=sum(s.idle_s for _, s in slices),
+                               seconds=max(busy), version=min(g.version for g in batch),
+                               peak_memory_gb={k: max(p[k] for p in last.values() if k in p)
+                                               for k in {k for p in last.values() for k in p}})]
 
     def _raise(self) -> None:
         if self.error is not None:

@@ -23,6 +23,7 @@ import torch
 
 from actors.episode import derive_seed
 from actors.rollout_worker import RolloutCall
+from actors.trajectory import RolloutSummary
 from cluster.placement import ROLES
 from cluster.storage import run_storage
 from learners import checkpoint as ckpt
@@ -32,9 +33,9 @@ from learners.data import PromptSampler
 from learners.dynamic_sampling import count_informative, fill_batch, kept_groups
 from learners.fleet import Fleet, gather_shares, send_shares
 from learners.learner_group import LearnerGroup, LearnerRankFailed
+from learners.learner_step import LearnerStep
 from learners.memory_plan import NodeWatch
-from learners.metrics import (MetricsLogger, kept_metrics, kept_scores, learner_reports, sample_totals,
-                              step_metrics)
+from learners.metrics import MetricsLogger, kept_metrics, kept_scores, sample_totals, step_metrics
 from learners.recovery import Recovery
 from learners.rollout_stream import RolloutStream
 from learners.run_setup import RunSetup
@@ -214,10 +215,10 @@ class Trainer(Stages, Recovery, RunSetup):
             batch = [self.demonstrations[i] for i in self.sampler.batch(self.step)]
             train, sync = self.update_and_sync([ray.put(batch)], None, "sft")
             self.step += 1
-            tokens = max(train["mask_sum"], 1.0)
-            record = {"step": self.step, "sft_loss": train["loss"], "sft_tokens": train["mask_sum"],
-                      "entropy": train["entropy_sum"] / tokens, "grad_norm": train["grad_norm"], "lr": train["lr"],
-                      "train_s": train["seconds"], **sync, "weight_version": self.version, **learner_reports(train)}
+            tokens = max(train.mask_sum, 1.0)
+            record = {"step": self.step, "sft_loss": train.loss, "sft_tokens": train.mask_sum,
+                      "entropy": train.entropy_sum / tokens, "grad_norm": train.grad_norm, "lr": train.lr,
+                      "train_s": train.seconds, **sync, "weight_version": self.version, **train.reports}
             self.finish_step(record, step_start, bar)
 
     def finish_step(self, record: dict, step_start: float, bar) -> None:
@@ -262,7 +263,7 @@ class Trainer(Stages, Recovery, RunSetup):
                              step_seed, r.grammar.model_dump(), self.rollout_hooks) for groups in chunks]
         return StepRollouts(step, self.version, *send_shares(self.workers, calls), calls)
 
-    def collect(self, rollouts: StepRollouts) -> list[dict]:
+    def collect(self, rollouts: StepRollouts) -> list[RolloutSummary]:
         """The step's rollout summaries, once every worker's share has arrived. A share lost with its worker (killed,
         out of memory), or sampled by a worker Ray restarted with its start-up weights, is generated again with the
         same seeds once the current weights were sent to it (`gather_shares`): no step trains on a partial or stale
@@ -328,7 +329,7 @@ class Trainer(Stages, Recovery, RunSetup):
                              [s for each in round_scores for s in each],
                              kept_scores(round_scores, picks, r.group_size))
 
-    def update_and_sync(self, batch: list, advantages: list[float] | None, objective: str) -> tuple[dict, dict]:
+    def update_and_sync(self, batch: list, advantages: list[float] | None, objective: str) -> tuple[LearnerStep, dict]:
         """The tail every step shares: one update of the learner group, then its weights to every rollout worker."""
         train = self.learners.train(batch, advantages, self.stage_cfg, objective=objective)
         self.version += 1

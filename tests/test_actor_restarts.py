@@ -73,7 +73,7 @@ def test_a_restarted_rollout_worker_rebuilds_its_environment_and_runs_episodes(r
         for actor in retriever.actors:
             ray.kill(actor)
     # each episode's search reached the retriever (random queries may match no document)
-    assert summary["env_calls"] == 4 and summary["env_errors"] == 0
+    assert summary.env_calls == 4 and summary.env_errors == 0
     assert all(t.turns and t.turns[0]["error"] is None for t in trajectories)
 
 

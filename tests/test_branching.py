@@ -125,7 +125,7 @@ def test_evr_forks_inside_tool_arguments_on_a_real_rollout_worker(ray_session):
     assert len(trajs) == 8 and [t.group for t in trajs] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert all(t.branch is None for g in (0, 4) for t in trajs[g:g + 2])  # the base half
     forks = [t for t in trajs if t.branch is not None]
-    stats = summary["hook_stats"]
+    stats = summary.hook_stats
     assert stats["evr/branch_budget"] == 4 and stats["evr/branch_events"] == len(forks) > 0
     for t in forks:
         origin, at = trajs[4 * t.group + t.branch["of"]], t.branch["at"]

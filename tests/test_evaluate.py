@@ -3,11 +3,13 @@ import pytest
 from rouge_score.rouge_scorer import RougeScorer
 from sacrebleu.metrics import BLEU
 
-from actors.trajectory import Trajectory
+from actors.trajectory import RolloutSummary, Trajectory
 from learners.evaluate import score
 from learners.intervals import wilson_interval
 
-SUMMARY = {"env_calls": 0, "env_errors": 0}
+#: one share's summary of episodes that called no environment
+SUMMARY = RolloutSummary(lengths=[], finish_reasons=[], policy_tokens=0, env_calls=0, env_errors=0, idle_s=0.0,
+                         seconds=0.0, version=0, peak_memory_gb={})
 
 
 def traj(answer: str, task: dict) -> Trajectory:

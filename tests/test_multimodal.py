@@ -102,7 +102,7 @@ def test_image_rollouts_train_and_stay_faithful_to_the_learner(ray_session, vl_m
     try:
         trajs, summary = ray.get(worker.rollout.remote(imaging_tasks, [0, 1], 2, {"max_tokens": 8,
                                                                                   "temperature": 1.0}, 0))
-        assert len(trajs) == 4 and summary["policy_tokens"] > 0
+        assert len(trajs) == 4 and summary.policy_tokens > 0
         for t in trajs:
             assert t.image_grids == [(1, 8, 8)] and t.images[0].shape == (448, 448, 3)
             assert t.prompt_ids.count(vision.pad_id) == 16  # the full run the learner's forward needs

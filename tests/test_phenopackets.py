@@ -145,6 +145,7 @@ def test_mcq_and_open_tasks_are_valid_records_of_the_task_schema(fixture_tasks):
 def test_a_ranked_answer_is_graded_top1_and_top3_by_name_or_id():
     from learners.evaluate import score
     from rewards.builtin import answer_correct, answer_rank
+    from test_evaluate import SUMMARY
 
     task = {"answer": "Bamforth-Lazarus syndrome", "options": None, "references": ["Bamforth-Lazarus syndrome",
             "OMIM:241850"], "metadata": {"answer_type": "ranked", "disease_id": "OMIM:241850"}}
@@ -152,7 +153,7 @@ def test_a_ranked_answer_is_graded_top1_and_top3_by_name_or_id():
     fourth, none = answered("A; B; C; Bamforth-Lazarus syndrome", task), answered("Gout", task)
     assert [answer_rank(t) for t in (first, second, fourth, none)] == [0, 1, None, None]
     assert [answer_correct(t) for t in (first, second)] == [True, False]
-    metrics = score([first, second, fourth, none], [{"env_calls": 0, "env_errors": 0}])
+    metrics = score([first, second, fourth, none], [SUMMARY])
     assert metrics["accuracy"]["mean"] == 0.25 and metrics["top3_accuracy"]["mean"] == 0.5
     assert "bleu1" not in metrics  # graded by name and id, not by text similarity
 

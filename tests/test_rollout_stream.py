@@ -21,7 +21,7 @@ def test_an_episode_in_flight_takes_new_weights_and_tags_each_token_with_its_ver
     try:
         *groups, summary = worker.stream.options(num_returns="streaming").remote(call, 0.0)
         summary = ray.get(summary)
-        assert groups == [] and summary["groups"] == [] and summary["in_flight"] == 1
+        assert groups == [] and summary.groups == [] and summary.in_flight == 1
 
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
         manifest = WeightPublisher(bucket_mb=16).publish(((n, p.detach()) for n, p in model.named_parameters()),
@@ -31,8 +31,8 @@ def test_an_episode_in_flight_takes_new_weights_and_tags_each_token_with_its_ver
         empty = RolloutCall([], [], 2, call.sampling, seed=3)
         *groups, summary = worker.stream.options(num_returns="streaming").remote(empty, 60.0)
         summary = ray.get(summary)
-        (meta,) = summary["groups"]
-        assert meta["group"] == 7 and meta["version"] == 0 and meta["partial"] and summary["in_flight"] == 0
+        (meta,) = summary.groups
+        assert meta.group == 7 and meta.version == 0 and meta.partial and summary.in_flight == 0
         (trajectories,) = ray.get(groups)
         for t in trajectories:
             assert t.group == 7 and t.weight_version == 0 and len(t.versions) == len(t.response_ids) == 24
