@@ -71,7 +71,7 @@ class EpisodeRunner:
         self.cache_salt: str | None = None  # prefixes cached under other weights must not be reused: set per version
         self._next_id = 0
         self.live: dict[str, Running] = {}  # request id -> the episode generating
-        # environment calls in flight: ref -> ([(episode, its action, its index in the result)], when sent)
+        # environment calls in flight: ref -> ([(the running episode, its action, its index in the result)], when sent)
         self.waiting: dict[ray.ObjectRef, tuple[list[tuple[Running, str, int | None]], float]] = {}
         self.ended: list[Episode] = []   # ended and not yet handed back by `advance`
         self.stats = {"env_calls": 0, "env_errors": 0, "idle_s": 0.0}
