@@ -25,8 +25,10 @@ from benchmarks.common import report  # noqa: E402
 from learners.intervals import wilson_interval  # noqa: E402
 from tasks.imaging import FINDINGS, FINDINGS_BY_KEY  # noqa: E402
 from tasks.imaging.world import GRID  # noqa: E402
+from tasks.vision_data import FINDING_INDEX  # noqa: E402
 
-KEYS = [f.key for f in FINDINGS]
+# per modality: the indices of its findings, the options a finding question offers
+OPTIONS = {m: [FINDING_INDEX[f.key] for f in FINDINGS if f.modality == m] for m in {f.modality for f in FINDINGS}}
 
 
 def cells(pool, size: int):
@@ -44,9 +46,8 @@ def cells(pool, size: int):
             row, col = les["cell"]
             top, left = round(row * size / GRID), round(col * size / GRID)
             crops.append(small[top:top + side, left:left + side])
-            finding = FINDINGS_BY_KEY[les["finding"]]
-            labels.append(KEYS.index(finding.key))
-            allowed.append([KEYS.index(f.key) for f in FINDINGS if f.modality == finding.modality])
+            labels.append(FINDING_INDEX[les["finding"]])
+            allowed.append(OPTIONS[FINDINGS_BY_KEY[les["finding"]].modality])
             strata.append(les["stratum"])
     return torch.tensor(np.stack(crops)).permute(0, 3, 1, 2), torch.tensor(labels), allowed, strata
 
@@ -67,7 +68,7 @@ def fit(x, y, epochs: int, seed: int):
     import torch
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    net = cnn(len(KEYS))
+    net = cnn(len(FINDINGS))
     optimizer = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=0.01)
     steps = epochs * ((len(y) + 63) // 64)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=2e-3, total_steps=steps)

@@ -70,7 +70,8 @@ class RunSetup:
         self.enter_stage(self.stage_at(min(self.step, cfg.total_steps - 1))[0])
         laps.lap("stage")
         self.restore_rewards(resume_from)
-        self.worker_pids = [ready["pid"] for ready in ray.get([w.ready.remote() for w in self.workers])]
+        readies = ray.get([w.ready.remote() for w in self.workers])
+        self.worker_pids = {i: ready["pid"] for i, ready in enumerate(readies)}
         laps.lap("rollout_workers")
         count_restarts(service_actors(self.environment, self.judge), self.service_pids, self.restarts)  # the pids now
         self.version = self.step

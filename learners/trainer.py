@@ -86,7 +86,7 @@ class Trainer(Stages, Recovery, RunSetup):
         self.step = 0                                   # optimizer steps taken (the resumed checkpoint's at start)
         self.version = 0                                # the learner's weight version: one per optimizer step
         self.restarts = {"rollout": 0, "reward": 0, "learner": 0}  # actors restarted in the run, by role
-        self.worker_pids: list[int] = []                # each rollout worker's process id, to count its restarts once
+        self.worker_pids: dict[int, int] = {}           # each rollout worker's process id, to count its restarts once
         self.reward_pids: dict[str, int] = {}           # by actor id: its process id, to notice a restart
         self.service_pids: dict = {}                    # the same for the service actors (retriever, tools, judge)
         self.history: list[dict] = []                   # each step's record
@@ -279,9 +279,7 @@ class Trainer(Stages, Recovery, RunSetup):
             raise RuntimeError(f"RolloutWorker-{i} was restarted; a restarted worker cannot rejoin the collective "
                                f"weight-sync group: use cluster.weight_sync=object_store for fault tolerance")
         pid = ray.get(self.workers[i].ready.remote())["pid"]
-        if pid != self.worker_pids[i]:  # one restart, however many calls found it lost
-            self.restarts["rollout"] += 1
-            self.worker_pids[i] = pid
+        self.restarts["rollout"] += changed_process(self.worker_pids, i, pid)  # once, however many calls found it lost
         self.learners.sync(self.version)
 
     def score(self, rollouts: StepRollouts) -> list[dict]:
