@@ -45,7 +45,7 @@ from tasks.imaging import (
 from tasks.schema import write_tasks
 
 #: Bump when the generated content changes for the same arguments, so existing worlds are rebuilt.
-WORLD_FORMAT = 1
+WORLD_FORMAT = 2
 SPLITS = ("train", "test")
 FILES = {
     **{f"{q}_{s}": f"{q}_{s}.jsonl" for q in ("finding_mcq", "finding_open", "condition_mcq") for s in SPLITS},

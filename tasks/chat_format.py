@@ -19,8 +19,9 @@ CHAT_TEMPLATE = (
 )
 
 # Every image, a whole 448-px scan or a small zoom-in crop, is resized to about INPUT_SIZE^2 pixels (sides multiples
-# of patch 14 x merge 2 = 28): 112 x 112 -> 8 x 8 patches -> 16 tokens after the 2 x 2 merge. min = max, so a crop
-# is magnified to the model's input size: that is what makes zooming in worth a tool call.
+# of patch 14 x merge 2 = 28): 84 x 84 -> 6 x 6 patches -> 9 tokens after the 2 x 2 merge, one per cell of the 3 x 3
+# grid questions name. min = max, so a crop is magnified to the model's input size: that is what makes zooming in
+# worth a tool call.
 IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
 
 

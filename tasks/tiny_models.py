@@ -25,7 +25,7 @@ GRAMMAR_TAGS = [f"<{t}>" for t in ("think", "answer", "query", "retrieve", "sear
 GRAMMAR_TAGS += [t.replace("<", "</") for t in GRAMMAR_TAGS]
 
 BUILD_VERSION = 1  # bump when the build code changes what it makes
-VISION_BUILD_VERSION = 1  # the same for what only multimodal builds add (the processor); text keys do not change
+VISION_BUILD_VERSION = 2  # the same for what only multimodal builds add (the processor); text keys do not change
 
 
 class TinyModelConfig(Strict):

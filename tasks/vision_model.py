@@ -42,9 +42,9 @@ class VisionRecipe:
     hidden_size: int = 256
     num_heads: int = 4
     pretrain_images: int = 3000
-    pretrain_steps: int = 2400
+    pretrain_steps: int = 4000
     pretrain_batch: int = 32
-    pretrain_lr: float = 2e-3
+    pretrain_lr: float = 6e-4
     zoom_share: float = 0.3  # pre-training images shown as a zoom-in crop around one of their lesions
     align_steps: int = 120
     align_batch: int = 8
@@ -156,7 +156,7 @@ def pretrain_tower(model, image_processor, pool: RenderedPool, recipe: VisionRec
             images.append(image)
             targets.append((flip_x, flip_y, window, i))
         values, grids = pixels(image_processor, images)
-        # a crop's side may round to another patch grid than a whole image's (3 x 3 tokens instead of 4 x 4)
+        # a crop's side may round to another patch grid than a whole image's (2 x 3 tokens instead of 3 x 3)
         labels = torch.tensor([label for (fx, fy, window, i), (_, side, _) in zip(targets, grids.tolist())
                                for label in token_targets(pool.lesions[i], side // visual.spatial_merge_size, fx,
                                                           fy, window)])

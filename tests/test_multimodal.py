@@ -36,18 +36,20 @@ def imaging_tasks():
 def test_images_become_pad_runs_that_collapse_for_vllm_and_are_never_cut(vision):
     full = np.zeros((448, 448, 3), np.uint8)
     crop = np.zeros((40, 60), np.uint8)
-    # A 448-px scan is shown at the imaging INPUT_SIZE (112 px: 8 x 8 patches -> 16 tokens after the 2 x 2 merge);
-    # a small crop is magnified to about the same size, which is what a zoom-in is for.
-    assert vision.grid(full) == (1, 8, 8)
-    assert vision.grid(rgb_array(crop)) == (1, 8, 10)
+    # A 448-px scan is shown at the imaging INPUT_SIZE (84 px: 6 x 6 patches -> 9 tokens after the 2 x 2 merge, one
+    # per region of the questions' 3 x 3 grid); a small crop is magnified to about the same size, which is what a
+    # zoom-in is for.
+    assert vision.grid(full) == (1, 6, 6)
+    assert vision.grid(rgb_array(crop)) == (1, 6, 8)
     start, pad, end = vision.start_id, vision.pad_id, vision.end_id
     ids = [7, start, pad, end, 8, start, pad, end, 9]
-    expanded = vision.expand(ids, [(1, 8, 8), (1, 8, 10)])
-    assert expanded.count(pad) == 16 + 20 and vision.collapse(expanded) == ids
+    expanded = vision.expand(ids, [(1, 6, 6), (1, 6, 8)])
+    assert expanded.count(pad) == 9 + 12 and vision.collapse(expanded) == ids
     with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
-        vision.expand(ids, [(1, 8, 8)])
+        vision.expand(ids, [(1, 6, 6)])
     assert vision.cut(expanded, 10) == 1  # inside the first image: the whole image goes
-    assert vision.cut(expanded, 20) == 20 and vision.cut(expanded, 100) == len(expanded)
+    assert vision.cut(expanded, 13) == 13 and vision.cut(expanded, 20) == 13
+    assert vision.cut(expanded, 100) == len(expanded)
 
 
 def test_image_layouts_come_from_a_registry_of_model_families(vision, vl_model_path, tiny_model_path, tmp_path):
@@ -104,8 +106,8 @@ def test_image_rollouts_train_and_stay_faithful_to_the_learner(ray_session, vl_m
                                                                                   "temperature": 1.0}, 0))
         assert len(trajs) == 4 and summary.policy_tokens > 0
         for t in trajs:
-            assert t.image_grids == [(1, 8, 8)] and t.images[0].shape == (448, 448, 3)
-            assert t.prompt_ids.count(vision.pad_id) == 16  # the full run the learner's forward needs
+            assert t.image_grids == [(1, 6, 6)] and t.images[0].shape == (448, 448, 3)
+            assert t.prompt_ids.count(vision.pad_id) == 9  # the full run the learner's forward needs
             assert len(t.logprobs) == len(t.response_ids) == len(t.loss_mask)
             # a vision token the random policy wrote ended its turn and was dropped: no fake image in the ids
             assert not set(t.response_ids) & set(vision.special_ids)
@@ -175,10 +177,10 @@ def test_image_observation_is_masked_and_seen_by_the_next_turn(vl_model_path, vi
         return ep
 
     ep = episode(CropEnvironment(CROP))
-    assert ep.finish_reason == "turn_limit" and ep.image_grids == [(1, 8, 8), (1, 8, 10)]
+    assert ep.finish_reason == "turn_limit" and ep.image_grids == [(1, 6, 6), (1, 6, 8)]
     assert [t for t, m in zip(ep.response_ids, ep.loss_mask) if m] == [close, close]
     observation = ep.response_ids[1:-1]  # everything between the two policy tokens is the environment's
-    assert observation.count(vision.pad_id) == 20 and not any(ep.loss_mask[1:-1])
+    assert observation.count(vision.pad_id) == 12 and not any(ep.loss_mask[1:-1])
     assert tok.decode(observation).startswith("\n<tool_response>\n<|vision_start|>")
     with Image.open(imaging_tasks[0]["images"][0]) as image:
         assert np.array_equal(ep.images[1], np.asarray(image.convert("RGB").crop(CROP)))

@@ -27,7 +27,7 @@ def vl_model_path():
 
 @pytest.fixture(scope="module")
 def scan():
-    """An imaging-world test scan: a 448 x 448 PNG the model sees at 112 px (16 image tokens)."""
+    """An imaging-world test scan: a 448 x 448 PNG the model sees at 84 px (9 image tokens)."""
     from tasks.build_imaging import ensure_imaging_world
 
     split = ensure_imaging_world(progress=False)["finding_mcq_test"]
@@ -171,15 +171,15 @@ def client(vl_server):
 
 @pytest.mark.slow
 def test_an_image_reaches_the_model_and_counts_its_tokens(client, scan):
-    """A scan as a data URL gets an answer. Usage counts the prompt as vLLM ran it: 16 more tokens than the
-    placeholder the text holds only when vLLM took the image and expanded it (with the delimiters: text-only + 18).
+    """A scan as a data URL gets an answer. Usage counts the prompt as vLLM ran it: 9 more tokens than the
+    placeholder the text holds only when vLLM took the image and expanded it (with the delimiters: text-only + 11).
     Streaming gives the same text and usage."""
     ask = dict(model="medray", max_tokens=12, seed=5)
     text_only = client.chat.completions.create(messages=[{"role": "user", "content": "What is shown?"}], **ask)
     assert text_only.choices[0].message.content and text_only.usage.prompt_tokens > 0
     first = client.chat.completions.create(messages=image_message("What is shown?", data_url(scan)), **ask)
     assert first.choices[0].message.content and first.choices[0].finish_reason in ("stop", "length")
-    assert first.usage.prompt_tokens == text_only.usage.prompt_tokens + 16 + 2
+    assert first.usage.prompt_tokens == text_only.usage.prompt_tokens + 9 + 2
     streamed = list(client.chat.completions.create(messages=image_message("What is shown?", data_url(scan)),
                                                    stream=True, stream_options={"include_usage": True}, **ask))
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == \
@@ -189,8 +189,8 @@ def test_an_image_reaches_the_model_and_counts_its_tokens(client, scan):
 
 @pytest.mark.slow
 def test_bad_image_requests_get_4xx(vl_server, client, scan):
-    """Each refusal names its cause; the prompt limit counts image tokens (4 scans: 72 of them, over the limit of 96
-    with the text, while one scan fits)."""
+    """Each refusal names its cause; the prompt limit counts image tokens (4 scans: 36 of them and their 8 delimiters
+    take the text over the limit of 96, while one scan fits)."""
     import httpx
 
     url = data_url(scan)
@@ -199,7 +199,7 @@ def test_bad_image_requests_get_4xx(vl_server, client, scan):
         "truncated PNG": (image_message("What?", truncated), "could not be decoded"),
         "not base64": (image_message("What?", "data:image/png;base64,@@@"), "base64"),
         "placeholder typed as text": (image_message("What? <|image_pad|>", url), "image placeholder tokens"),
-        "image tokens over the prompt limit": (image_message("What is shown? " * 4, *[url] * 4),
+        "image tokens over the prompt limit": (image_message("What is shown? " * 12, *[url] * 4),
                                                f"more than the limit of {MAX_PROMPT_TOKENS}"),
         "too many images": (image_message("What?", *[url] * 5), "more than 4 images"),
     }
@@ -227,7 +227,7 @@ def test_agent_mode_runs_cdir_on_the_request_image(vl_server, client, scan, vl_m
     tokenizer = AutoTokenizer.from_pretrained(vl_model_path)
     open_answer, close_answer = tokenizer.convert_tokens_to_ids(["<answer>", "</answer>"])
     reply = client.chat.completions.create(
-        model="medray-agent", max_tokens=16, seed=7, logit_bias={str(open_answer): 100, str(close_answer): 99},
+        model="medray-agent", max_tokens=16, seed=8, logit_bias={str(open_answer): 100, str(close_answer): 99},
         messages=image_message("Which finding is present?", data_url(scan)),
         extra_body={"agent": {"trace": True}})
     trace = reply.model_extra["trace"]

@@ -99,7 +99,7 @@ def test_a_built_seeing_policy_takes_an_image_and_records_what_the_build_measure
         inputs = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)],
                            images=[image.convert("RGB")], return_tensors="pt")
     pads = int((inputs["input_ids"] == model.config.image_token_id).sum())
-    assert pads == math.prod(inputs["image_grid_thw"][0].tolist()) // 4 == 16  # 112 px: 8 x 8 patches, 2 x 2 merged
+    assert pads == math.prod(inputs["image_grid_thw"][0].tolist()) // 4 == 9  # 84 px: 6 x 6 patches, 2 x 2 merged
     out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > inputs["input_ids"].shape[1]
 

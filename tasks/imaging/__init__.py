@@ -17,9 +17,10 @@ mask's bounding box in pixel-edge coordinates ``[x0, y0, x1, y1]`` (``x1``/``y1`
 is the tightest crop holding the lesion. :func:`render_case` re-creates any image, its masks and the lesion-free
 background from the case's spec (stored in every task's ``metadata["case"]``).
 
-Size strata. ``small`` lesions span 6-12 px at full resolution, i.e. at most 3 px at the assumed model input of
-``INPUT_SIZE`` (112) px: they need a zoom-in (a crop of the full-resolution image) to be recognised. ``large`` lesions
-span 28-72 px (7-18 px at the input size) and are visible without one. (Spans are the longer side of the box.)
+Size strata. ``small`` lesions span 6-12 px at full resolution, i.e. at most 2.25 px at the model input of
+``INPUT_SIZE`` (84) px: they need a zoom-in (a crop of the full-resolution image) to be recognised. ``large``
+lesions span 28-72 px (5-14 px at the input size) and are visible without one. (Spans are the longer side of the
+box.)
 
 Regions. Questions name the lesion's cell of a 3 x 3 grid over the image, in image coordinates ("the upper right of
 the image"); every lesion box lies inside one cell (with a margin), and different lesions of an image occupy

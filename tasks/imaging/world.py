@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 
 IMAGE_SIZE = 448
-INPUT_SIZE = 112
+INPUT_SIZE = 84  # a Qwen2-VL policy's 2 x 2-merged tokens of 28 px are then the 3 x 3 cells questions name
 GRID = 3
 BACKGROUND_RANGE = (30, 225)
 LETTERS = "ABCD"
