@@ -156,7 +156,7 @@ def pretrain_tower(model, image_processor, pool: RenderedPool, recipe: VisionRec
             images.append(image)
             targets.append((flip_x, flip_y, window, i))
         values, grids = pixels(image_processor, images)
-        # a crop's side may round to another patch grid than a whole image's (2 x 3 tokens instead of 3 x 3)
+        # each image's token grid is the processor's, not assumed: a crop's may differ from a whole image's
         labels = torch.tensor([label for (fx, fy, window, i), (_, side, _) in zip(targets, grids.tolist())
                                for label in token_targets(pool.lesions[i], side // visual.spatial_merge_size, fx,
                                                           fy, window)])
