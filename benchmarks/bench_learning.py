@@ -178,10 +178,10 @@ def quickstart_rows(out: Path, seed: int, overrides: list[str], config: str = QU
 def search_behaviour(metrics: dict) -> dict:
     """What an evaluation's episodes did with their searches (multiple-choice tasks with linked options): the gold
     option linked in any search and in the first; accuracy where the first search linked it and where it did not,
-    each with its count; with the options' ranking (retrieval.rank_options), how often it put the gold first and the
-    accuracy then."""
+    each with its count; with the options' ranking (retrieval.rank_options), how often it put the gold first, the
+    accuracy then, and how often the answer named its first option."""
     keys = ("gold_linked", "gold_linked_first", "gold_ranked_first", "accuracy_first_linked", "accuracy_first_unlinked",
-            "accuracy_gold_ranked_first")
+            "accuracy_gold_ranked_first", "follows_ranking")
     return {key: round(metrics[key]["mean"], 3) for key in keys if key in metrics} | \
         {f"n_{key}": metrics[key]["n"] for key in keys[2:] if key in metrics}
 

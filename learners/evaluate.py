@@ -102,9 +102,10 @@ def option_links(mcq: list) -> dict:
     were marked "(option X)" for the gold X; `gold_linked_first`, whether the first search's were; and accuracy split
     by the latter, `accuracy_first_linked` and `accuracy_first_unlinked` (an episode that never searched is unlinked;
     a split with no episode is left out). Where the first search's hits linked none and the options' ranking followed
-    (retrieval.rank_options): `gold_ranked_first`, whether it ranked the gold option first, and the accuracy of
-    those that did, `accuracy_gold_ranked_first`. Each a proportion with its Wilson interval and n."""
-    from rewards.builtin import answer_correct
+    (retrieval.rank_options): `gold_ranked_first`, whether it ranked the gold option first, the accuracy of
+    those that did, `accuracy_gold_ranked_first`, and `follows_ranking`, whether the answer named the ranking's first
+    option. Each a proportion with its Wilson interval and n."""
+    from rewards.builtin import answer_correct, chosen_option
 
     if not any("linked" in turn for t in mcq for turn in t.turns):
         return {}
@@ -113,11 +114,13 @@ def option_links(mcq: list) -> dict:
     correct = [answer_correct(t) for t in mcq]
     split = {"accuracy_first_linked": [c for c, f in zip(correct, first) if f],
              "accuracy_first_unlinked": [c for c, f in zip(correct, first) if not f]}
-    ranked = [(t.turns[0]["options_ranked"][0] == t.task["answer"].strip().upper(), c) for t, c in zip(mcq, correct)
-              if t.turns and t.turns[0].get("options_ranked")]
+    shown = [(t, c) for t, c in zip(mcq, correct) if t.turns and t.turns[0].get("options_ranked")]
+    ranked = [(t.turns[0]["options_ranked"][0] == t.task["answer"].strip().upper(), c) for t, c in shown]
     split["accuracy_gold_ranked_first"] = [c for gold_first, c in ranked if gold_first]
+    followed = [chosen_option(t) == t.turns[0]["options_ranked"][0] for t, _ in shown]
     return {"gold_linked": proportion([any(turns) for turns in gold]), "gold_linked_first": proportion(first),
-            **({"gold_ranked_first": proportion([g for g, _ in ranked])} if ranked else {}),
+            **({"gold_ranked_first": proportion([g for g, _ in ranked]),
+                "follows_ranking": proportion(followed)} if ranked else {}),
             **{k: proportion(v) for k, v in split.items() if v}}
 
 

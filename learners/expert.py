@@ -62,12 +62,14 @@ def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter
 
 
 def retrieval_demonstration(task: dict, grammar, environment, result: list[dict], tokenizer,
-                            answer_with: str = "letter", next_page: bool = False) -> dict | None:
+                            answer_with: str = "letter", next_page: bool = False,
+                            reads_ranking: bool = True) -> dict | None:
     """Think, query, read, answer. `environment` (the run's RetrievalEnvironment) shows `result`, the search's hits
     (with the options' ranking, rank_options) as a rollout would. A diagnosis task gets a demonstration only when the
     policy would see the gold disease: among the hits shown, or first of the options the search ranks when the hits
     link none. `next_page`: the expert asks for the next page (the same query again, retrieval.paging) and reads it
-    before it answers from whichever of the two shows the gold disease."""
+    before it answers from whichever of the two shows the gold disease. `reads_ranking` false: an expert who trusts
+    only a linked hit, so a task whose gold the ranking alone shows gets no demonstration."""
     action, query = grammar.action_tag, expert_query(task)
     options = task.get("options") if environment.link_options else None
     doc_id = (task.get("metadata") or {}).get("kb_doc_id")
@@ -88,7 +90,7 @@ def retrieval_demonstration(task: dict, grammar, environment, result: list[dict]
     elif shown:
         thought = f"The knowledge base names {shown[0]['title']}" + \
             (f": option {task['answer']}." if answer_with == "letter" else ".")
-    elif ranked and ranked[0] == task["answer"]:
+    elif reads_ranking and ranked and ranked[0] == task["answer"]:
         thought = f"The search ranks option {task['answer']} first."
     else:  # the gold document was not retrieved, or cut from what the policy would see
         return None
@@ -153,10 +155,11 @@ def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | No
 
 
 def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, progress: bool = True,
-                         answer_with: str = "letter", recheck: float = 0.0) -> dict:
+                         answer_with: str = "letter", recheck: float = 0.0, reads_ranking: bool = True) -> dict:
     """Demonstrations for the tasks of `data` under run config `cfg` (its grammar, environment, tokenizer);
     multiple-choice answers as the option's letter or (`answer_with="text"`) its text. `recheck`: the share of
-    retrieval demonstrations in which the expert reads the next page of results before it answers (`rechecks`)."""
+    retrieval demonstrations in which the expert reads the next page of results before it answers (`rechecks`);
+    `reads_ranking`: whether it answers from the options' ranking (retrieval_demonstration)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -184,7 +187,8 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
                                                    [environment.among(t.get("options")) for t in chunk])
             for task, result in zip(chunk, results):
                 demo = retrieval_demonstration(task, grammar, environment, result, tokenizer, answer_with,
-                                               next_page=bool(recheck and rechecks(task, recheck)))
+                                               next_page=bool(recheck and rechecks(task, recheck)),
+                                               reads_ranking=reads_ranking)
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:

@@ -20,7 +20,8 @@ from learners.judge_eval import judge_open_answers
 #: The metrics of one split that go into metrics.jsonl as eval/<split>/<name> (intervals as _low/_high).
 LOGGED = ("accuracy", "top3_accuracy", "closed_accuracy", "judge_accuracy", "judge_parse_failures", "format_rate",
           "gold_retrieved", "env_calls_per_sample", "response_length", "gold_linked", "gold_linked_first",
-          "accuracy_first_linked", "accuracy_first_unlinked", "gold_ranked_first", "accuracy_gold_ranked_first")
+          "accuracy_first_linked", "accuracy_first_unlinked", "gold_ranked_first", "accuracy_gold_ranked_first",
+          "follows_ranking")
 
 log = logging.getLogger("medray.eval")
 
@@ -123,14 +124,17 @@ def accuracy_table(cfg: RunConfig, table: dict[str, dict[int, dict]]) -> list[st
 def behaviour_table(cfg: RunConfig, table: dict[str, dict[int, dict]]) -> list[str]:
     """How a retrieval agent's searches linked the gold option (learners/evaluate.py:option_links), one row per
     evaluation that has it; no rows when none does."""
+    ranking = any("follows_ranking" in m for evaluations in table.values() for m in evaluations.values())
     rows = [f"| {split} | {weights_label(cfg, step)} (step {step}) | {percent(m['gold_linked'], interval=False)} | "
             f"{percent(m['gold_linked_first'], interval=False)} | "
             f"{percent(m.get('accuracy_first_linked'), interval=False, n=True)} | "
-            f"{percent(m.get('accuracy_first_unlinked'), interval=False, n=True)} |"
+            f"{percent(m.get('accuracy_first_unlinked'), interval=False, n=True)} |" +
+            (f" {percent(m.get('follows_ranking'), interval=False, n=True)} |" if ranking else "")
             for split, evaluations in table.items() for step, m in evaluations.items() if "gold_linked" in m]
     return ["| split | weights | gold option linked (any search) | gold option linked (first search) | accuracy, "
-            "first search linked it | accuracy, first search did not |", "|---|---|---|---|---|---|", *rows] \
-        if rows else []
+            "first search linked it | accuracy, first search did not |" +
+            (" answers the ranking's first, where shown |" if ranking else ""),
+            "|---|---|---|---|---|---|" + ("---|" if ranking else ""), *rows] if rows else []
 
 
 def stage_gain(cfg: RunConfig, evaluations: dict[int, dict]) -> dict | None:
@@ -182,6 +186,13 @@ def gain_summary(out: Path) -> str:
     return "".join(f"{gain_text(split, gain, labels=False)}; " for split, gain in gains.items())
 
 
+def split_label(split: str) -> str:
+    """A split as a plot names it: a path inside it shortened to its file name
+    (phenopackets:/data/store.zip#mcq_test -> phenopackets:store.zip#mcq_test)."""
+    scheme, sep, rest = split.rpartition(":")
+    return f"{scheme}{sep}{Path(rest.split('#')[0]).name}" + (f"#{rest.split('#', 1)[1]}" if "#" in rest else "")
+
+
 def plot_curves(out: Path, cfg: RunConfig) -> Path | None:
     """curves.png: SFT loss, GRPO reward and training accuracy per step, and the held-out accuracy of every
     evaluation. matplotlib is imported here: only the closing report needs it."""
@@ -211,7 +222,8 @@ def plot_curves(out: Path, cfg: RunConfig) -> Path | None:
         if points:
             steps, acc, low, high = zip(*points)
             errors = [[a - lo for a, lo in zip(acc, low)], [h - a for a, h in zip(acc, high)]]
-            reward_ax.errorbar(steps, acc, yerr=errors, fmt="o", capsize=3, label=f"held-out accuracy ({split})")
+            reward_ax.errorbar(steps, acc, yerr=errors, fmt="o", capsize=3,
+                               label=f"held-out accuracy ({split_label(split)})")
     top = max([1.0] + [r["reward_mean"] for r in grpo])
     reward_ax.set(title="GRPO reward and held-out accuracy", xlabel="step", ylim=(0, 1.05 * top))
     reward_ax.legend(fontsize=8)

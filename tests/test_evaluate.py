@@ -198,6 +198,8 @@ def test_how_often_the_options_ranking_put_the_gold_first_and_the_accuracy_when_
     links = option_links(episodes)
     assert (links["gold_ranked_first"]["mean"], links["gold_ranked_first"]["n"]) == (pytest.approx(2 / 3), 3)
     assert (links["accuracy_gold_ranked_first"]["mean"], links["accuracy_gold_ranked_first"]["n"]) == (0.5, 2)
+    # answers B, A, C against rankings led by B, B, C: two of three named the ranking's first option
+    assert (links["follows_ranking"]["mean"], links["follows_ranking"]["n"]) == (pytest.approx(2 / 3), 3)
 
 
 def test_the_closing_report_says_what_the_last_stage_added_and_how_the_agent_searched(tmp_path):
@@ -249,3 +251,11 @@ def test_a_search_records_which_options_its_hits_were_marked_with():
     assert shown.record["linked"] == ["B", "A"] and "[2] marfan  Syndrome (option B)" in shown.text
     unlinked = RetrievalEnvironment(None, top_k=3, show="titles").observe(episode, "q", hits, None)
     assert "linked" not in unlinked.record
+
+
+def test_a_plot_names_a_split_by_its_file_not_its_whole_path():
+    from learners.validation import split_label
+
+    assert split_label("phenopackets:/data/store/phenopacket-store-dev.zip#mcq_test") == \
+        "phenopackets:phenopacket-store-dev.zip#mcq_test"
+    assert split_label("hpo:mcq_test") == "hpo:mcq_test" and split_label("data/cases.jsonl") == "cases.jsonl"

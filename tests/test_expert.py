@@ -132,6 +132,16 @@ def test_expert_recheck_needs_paging():
         load_config("configs/quickstart.yaml", ["stages.0.sft.expert_recheck=0.25"])
 
 
+def test_expert_left_blind_to_the_ranking_needs_one():
+    import pytest
+
+    from learners.config import ConfigError
+    with pytest.raises(ConfigError, match="sft.expert_reads_ranking false needs sft.data expert and "
+                                          "retrieval.rank_options true"):
+        load_config("configs/quickstart.yaml", ["stages.0.sft.expert_reads_ranking=false",
+                                                "retrieval.rank_options=false"])
+
+
 def test_options_ranked_by_the_search_follow_hits_that_link_none():
     """retrieval.rank_options: hits linking no option are followed by the options in the search's order (its
     candidates); hits linking one are shown as before."""
@@ -170,6 +180,10 @@ def test_the_expert_answers_from_the_options_ranking_when_no_hit_links_the_gold(
     demos = read_demonstrations(out)
     ranked = [d for d in demos if "The search ranks option" in d["segments"][-1]["text"]]
     assert report["demonstrations"] == plain["demonstrations"] + len(ranked) and ranked
+    # sft.expert_reads_ranking false: the same environment, but only the tasks a hit links are demonstrated
+    blind = write_demonstrations(cfg, "hpo:mcq_train", tmp_path / "blind.jsonl", limit=100, progress=False,
+                                 reads_ranking=False)
+    assert blind["demonstrations"] == plain["demonstrations"]
 
     g, r = cfg.rollout.grammar, cfg.retrieval
     env = retrieval_environment(cfg, LocalRetriever(default_index_dir(r.kb, r.index.kind, r.shards), config=r.search))
