@@ -247,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(write_demonstrations(cfg, args.data, args.out, args.limit, answer_with=args.answer_with)))
+    # the demonstrations the config's cold start trains on: its first `sft.data: expert` stage's expert settings
+    sft = next((s.sft for s in cfg.stage_plan() if s.sft and s.sft.data == "expert"), None)
+    print(json.dumps(write_demonstrations(cfg, args.data, args.out, args.limit, answer_with=args.answer_with,
+                                          recheck=sft.expert_recheck if sft else 0.0,
+                                          reads_ranking=sft.expert_reads_ranking if sft else True)))
     return 0
 
 

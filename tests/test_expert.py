@@ -184,6 +184,11 @@ def test_the_expert_answers_from_the_options_ranking_when_no_hit_links_the_gold(
     blind = write_demonstrations(cfg, "hpo:mcq_train", tmp_path / "blind.jsonl", limit=100, progress=False,
                                  reads_ranking=False)
     assert blind["demonstrations"] == plain["demonstrations"]
+    from learners.expert import main  # the command line follows the config's cold-start stage
+    stage = "stages=[{name: cold_start, kind: sft, steps: 1, sft: {data: expert, expert_reads_ranking: false}}]"
+    assert main(["--config", "configs/tiny.yaml", "--data", "hpo:mcq_train", "--out", str(tmp_path / "cli.jsonl"),
+                 "--limit", "100", *overrides, "total_steps=1", stage]) == 0
+    assert len(read_demonstrations(tmp_path / "cli.jsonl")) == plain["demonstrations"]
 
     g, r = cfg.rollout.grammar, cfg.retrieval
     env = retrieval_environment(cfg, LocalRetriever(default_index_dir(r.kb, r.index.kind, r.shards), config=r.search))
