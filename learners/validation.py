@@ -189,8 +189,9 @@ def gain_summary(out: Path) -> str:
 def split_label(split: str) -> str:
     """A split as a plot names it: a path inside it shortened to its file name
     (phenopackets:/data/store.zip#mcq_test -> phenopackets:store.zip#mcq_test)."""
-    scheme, sep, rest = split.rpartition(":")
-    return f"{scheme}{sep}{Path(rest.split('#')[0]).name}" + (f"#{rest.split('#', 1)[1]}" if "#" in rest else "")
+    scheme, colon, rest = split.rpartition(":")
+    path, hash_sign, fragment = rest.partition("#")
+    return f"{scheme}{colon}{Path(path).name}{hash_sign}{fragment}"
 
 
 def plot_curves(out: Path, cfg: RunConfig) -> Path | None:
