@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import report  # noqa: E402
+from benchmarks.plot_learning import plot  # noqa: E402
 
 PYTHON = sys.executable
 RUNS = ROOT / "outputs" / "bench_learning"  # /<--name>/ (the tiny model's: /tiny/<--name>/): one folder per setting
@@ -352,30 +353,6 @@ def armed_suite(args) -> list[dict]:
                      **held_out(checkpoint)})
     plot(rows, "armed", curves, setting=None if (args.model, args.name) == ("tiny", "default") else plot_setting(args))
     return rows
-
-
-def plot(rows: list[dict], suite: str, curves: dict | None = None, setting: str | None = None) -> None:
-    """learning_armed[_<setting>].png: NCI curves; learning_retrieval_<setting>.png: every arm of one setting run so
-    far."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if curves:
-        for name, values in curves.items():
-            ax.plot(range(1, len(values) + 1), values, label=name)
-        ax.set_xlabel("step"), ax.set_ylabel("NCI of the semantic reward"), ax.axhline(0.25, ls=":", c="gray")
-        ax.axhline(0.1, ls="--", c="gray"), ax.legend()
-    else:
-        ax.bar([r["arm"] + (f" s{r['seed']}" if "seed" in r else "") for r in rows],
-               [r.get("test_accuracy", r.get("accuracy")) for r in rows])
-        ax.axhline(0.25, ls=":", c="gray", label="chance (4 options)")
-        ax.set_ylabel("accuracy on held-out diseases"), ax.legend()
-        plt.setp(ax.get_xticklabels(), rotation=15)
-    fig.tight_layout()
-    path = ROOT / "benchmarks" / "results" / f"learning_{suite}{f'_{setting}' if setting else ''}.png"
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
 
 
 def main() -> None:

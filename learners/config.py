@@ -215,10 +215,11 @@ class SFTConfig(Strict):
     expert_recheck: float = Field(0.0, ge=0, le=1, description="data expert with retrieval.paging: the share of "
                                   "demonstrations in which the expert searches its query again and reads the next "
                                   "page before answering from the first (it shows how to page, never when it pays)")
-    expert_reads_ranking: bool = Field(True, description="data expert with retrieval.rank_options: the expert also "
-                                       "answers from the options' ranking when no hit links an option; false: it "
-                                       "trusts only a linked hit and demonstrates only those tasks (the ranking is "
-                                       "left for RL to learn to read)")
+    expert_unlinked: Literal["ranking", "skip", "guess"] = Field(
+        "ranking", description="data expert with retrieval.rank_options, when no hit links the gold option: answer "
+        "the options' ranking where it puts the gold first (ranking); trust only a linked hit and leave the task out "
+        "(skip); or answer a guess, as a teacher who must answer without evidence (guess); skip and guess leave "
+        "the ranking for RL to learn to read")
     shuffle: bool = True
     args: dict = Field(default_factory=dict, description="settings of the recipe's demonstration source")
 
@@ -320,10 +321,11 @@ class RunConfig(Strict):
                                                            or not self.retrieval.paging):
                 raise ValueError(f"stage {stage.name!r}: sft.expert_recheck needs sft.data expert and "
                                  f"retrieval.paging true (the next page is what it reads)")
-            if stage.sft and not stage.sft.expert_reads_ranking and (
+            if stage.sft and stage.sft.expert_unlinked != "ranking" and (
                     stage.sft.data != "expert" or self.retrieval is None or not self.retrieval.rank_options):
-                raise ValueError(f"stage {stage.name!r}: sft.expert_reads_ranking false needs sft.data expert and "
-                                 f"retrieval.rank_options true (the ranking is what it leaves unread)")
+                raise ValueError(f"stage {stage.name!r}: sft.expert_unlinked {stage.sft.expert_unlinked} needs "
+                                 f"sft.data expert and retrieval.rank_options true (the ranking is what it leaves "
+                                 f"unread)")
         recipe = load_recipe(self.recipe)
         for stage in self.stages:
             if stage.sft and stage.sft.args and stage.sft.data not in recipe.demonstration_sources:

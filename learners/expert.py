@@ -9,7 +9,7 @@ The run config says which grammar, environment and tokenizer to follow:
   expert thinks, queries the knowledge base with the patient's phenotypes (an imaging task: its finding's name), reads
   the hits (the real retriever over the run's index, formatted and cut to `max_observation_tokens` as the rollout
   engine does), and answers with the gold option. A diagnosis task whose gold disease is not among the hits the policy
-  would see gets no demonstration (the expert does not guess; the count is reported).
+  would see gets no demonstration (the count is reported), unless the stage's `sft.expert_unlinked` is `guess`.
 - tools (a `tools` section; MedVR, MedVistaGym): the expert zooms into the gold box through the real tool actors
   (`actors.gym.MedicalGym`), then, when the recipe allows retrieve_knowledge, looks the finding up, then answers.
 - single turn: think, then answer.
@@ -48,28 +48,39 @@ def cut_observation(grammar, body: str, tokenizer) -> str:
     return tokenizer.decode(ids[:grammar.max_observation_tokens], skip_special_tokens=False)
 
 
-def gold_answer(task: dict, answer_with: str = "letter") -> str:
-    """The gold option's letter, or with `answer_with="text"` its text (the accuracy reward takes either). A small
-    model copies a disease name from the retrieved text far more easily than it maps that name to a letter."""
+def gold_answer(task: dict, answer_with: str = "letter", letter: str | None = None) -> str:
+    """The gold option's letter (or `letter`, another option's), or with `answer_with="text"` its text (the accuracy
+    reward takes either). A small model copies a disease name from the retrieved text far more easily than it maps
+    that name to a letter."""
+    letter = letter or task["answer"]
     if answer_with == "text" and task.get("options"):
-        return task["options"][task["answer"]]
-    return task["answer"]
+        return task["options"][letter]
+    return letter
 
 
-def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter") -> dict:
-    return {"role": "policy", "text": f"<think>{thought}</think>\n<{grammar.answer_tag}>{gold_answer(task, answer_with)}"
-                                      f"</{grammar.answer_tag}>"}
+def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter", letter: str | None = None) -> dict:
+    answer = gold_answer(task, answer_with, letter)
+    return {"role": "policy", "text": f"<think>{thought}</think>\n<{grammar.answer_tag}>{answer}</{grammar.answer_tag}>"}
+
+
+def guessed_option(task: dict) -> str:
+    """The option an expert without evidence answers: one of the task's options, uniform over tasks, fixed by the
+    task's id (so it is right on about one task in as many as there are options)."""
+    letters = sorted(task["options"])
+    return letters[int.from_bytes(hashlib.sha256(f"guess:{task.get('id')}".encode()).digest()[:4], "big")
+                   % len(letters)]
 
 
 def retrieval_demonstration(task: dict, grammar, environment, result: list[dict], tokenizer,
                             answer_with: str = "letter", next_page: bool = False,
-                            reads_ranking: bool = True) -> dict | None:
+                            unlinked: str = "ranking") -> dict | None:
     """Think, query, read, answer. `environment` (the run's RetrievalEnvironment) shows `result`, the search's hits
-    (with the options' ranking, rank_options) as a rollout would. A diagnosis task gets a demonstration only when the
-    policy would see the gold disease: among the hits shown, or first of the options the search ranks when the hits
-    link none. `next_page`: the expert asks for the next page (the same query again, retrieval.paging) and reads it
-    before it answers from whichever of the two shows the gold disease. `reads_ranking` false: an expert who trusts
-    only a linked hit, so a task whose gold the ranking alone shows gets no demonstration."""
+    (with the options' ranking, rank_options) as a rollout would. A diagnosis task whose gold disease a hit shows is
+    answered with it; `unlinked` (sft.expert_unlinked) says what the expert does when none does: `ranking` answers
+    the options' ranking where it puts the gold first, else leaves the task out (None); `skip` leaves it out;
+    `guess` answers `guessed_option`, as a teacher who must answer without evidence. `next_page`: the expert asks for
+    the next page (the same query again, retrieval.paging) and reads it before it answers from whichever of the two
+    shows the gold disease."""
     action, query = grammar.action_tag, expert_query(task)
     options = task.get("options") if environment.link_options else None
     doc_id = (task.get("metadata") or {}).get("kb_doc_id")
@@ -83,6 +94,7 @@ def retrieval_demonstration(task: dict, grammar, environment, result: list[dict]
         shown += gold_shown(page, first, seen, doc_id, environment.show, options) if doc_id else []
         if observation.record.get("options_ranked") and observation.text.splitlines()[-1] in seen:
             ranked.append(observation.record["options_ranked"][0])  # the whole ranking line is seen
+    letter = None  # the gold option's, unless the expert guesses
     if not doc_id:
         thought = "The retrieved knowledge and the image agree."
     elif shown and options and answer_with == "letter":  # the link names the letter: no need to restate the title
@@ -90,8 +102,10 @@ def retrieval_demonstration(task: dict, grammar, environment, result: list[dict]
     elif shown:
         thought = f"The knowledge base names {shown[0]['title']}" + \
             (f": option {task['answer']}." if answer_with == "letter" else ".")
-    elif reads_ranking and ranked and ranked[0] == task["answer"]:
+    elif unlinked == "ranking" and ranked and ranked[0] == task["answer"]:
         thought = f"The search ranks option {task['answer']} first."
+    elif unlinked == "guess" and options:
+        thought, letter = "The search does not settle it.", guessed_option(task)
     else:  # the gold document was not retrieved, or cut from what the policy would see
         return None
     segments = [{"role": "policy", "text": f"<think>What is known about these findings? Look it up.</think>\n"
@@ -100,7 +114,7 @@ def retrieval_demonstration(task: dict, grammar, environment, result: list[dict]
     if next_page:
         segments += [{"role": "policy", "text": f"<think>Are there more results?</think>\n<{action}>{query}</{action}>"},
                      {"role": "environment", "text": observations[1]}]
-    return {"task": task, "segments": segments + [answer_segment(task, grammar, thought, answer_with)]}
+    return {"task": task, "segments": segments + [answer_segment(task, grammar, thought, answer_with, letter)]}
 
 
 def gold_shown(page: list[dict], first_rank: int, observation: str, doc_id: str, show: str,
@@ -155,11 +169,11 @@ def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | No
 
 
 def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, progress: bool = True,
-                         answer_with: str = "letter", recheck: float = 0.0, reads_ranking: bool = True) -> dict:
+                         answer_with: str = "letter", recheck: float = 0.0, unlinked: str = "ranking") -> dict:
     """Demonstrations for the tasks of `data` under run config `cfg` (its grammar, environment, tokenizer);
     multiple-choice answers as the option's letter or (`answer_with="text"`) its text. `recheck`: the share of
     retrieval demonstrations in which the expert reads the next page of results before it answers (`rechecks`);
-    `reads_ranking`: whether it answers from the options' ranking (retrieval_demonstration)."""
+    `unlinked`: what it does when no hit shows the gold option (retrieval_demonstration)."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -188,7 +202,7 @@ def write_demonstrations(cfg, data: str, out: Path, limit: int | None = None, pr
             for task, result in zip(chunk, results):
                 demo = retrieval_demonstration(task, grammar, environment, result, tokenizer, answer_with,
                                                next_page=bool(recheck and rechecks(task, recheck)),
-                                               reads_ranking=reads_ranking)
+                                               unlinked=unlinked)
                 skipped += demo is None
                 demos += [demo] if demo else []
     else:
@@ -251,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     sft = next((s.sft for s in cfg.stage_plan() if s.sft and s.sft.data == "expert"), None)
     print(json.dumps(write_demonstrations(cfg, args.data, args.out, args.limit, answer_with=args.answer_with,
                                           recheck=sft.expert_recheck if sft else 0.0,
-                                          reads_ranking=sft.expert_reads_ranking if sft else True)))
+                                          unlinked=sft.expert_unlinked if sft else "ranking")))
     return 0
 
 

@@ -63,7 +63,7 @@ class Stages:
             from learners.expert import write_demonstrations
             made = write_demonstrations(cfg, cfg.data.train, path, progress=False,
                                         recheck=self.stage.sft.expert_recheck,
-                                        reads_ranking=self.stage.sft.expert_reads_ranking)
+                                        unlinked=self.stage.sft.expert_unlinked)
             log.info("stage %s: %d expert demonstrations from %d tasks (%d without the gold document in view)",
                      self.stage.name, made["demonstrations"], made["tasks"], made["skipped_not_retrieved"])
         elif not path.exists():

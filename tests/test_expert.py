@@ -136,9 +136,9 @@ def test_expert_left_blind_to_the_ranking_needs_one():
     import pytest
 
     from learners.config import ConfigError
-    with pytest.raises(ConfigError, match="sft.expert_reads_ranking false needs sft.data expert and "
+    with pytest.raises(ConfigError, match="sft.expert_unlinked guess needs sft.data expert and "
                                           "retrieval.rank_options true"):
-        load_config("configs/quickstart.yaml", ["stages.0.sft.expert_reads_ranking=false",
+        load_config("configs/quickstart.yaml", ["stages.0.sft.expert_unlinked=guess",
                                                 "retrieval.rank_options=false"])
 
 
@@ -180,12 +180,21 @@ def test_the_expert_answers_from_the_options_ranking_when_no_hit_links_the_gold(
     demos = read_demonstrations(out)
     ranked = [d for d in demos if "The search ranks option" in d["segments"][-1]["text"]]
     assert report["demonstrations"] == plain["demonstrations"] + len(ranked) and ranked
-    # sft.expert_reads_ranking false: the same environment, but only the tasks a hit links are demonstrated
+    # sft.expert_unlinked skip: the same environment, but only the tasks a hit links are demonstrated
     blind = write_demonstrations(cfg, "hpo:mcq_train", tmp_path / "blind.jsonl", limit=100, progress=False,
-                                 reads_ranking=False)
+                                 unlinked="skip")
     assert blind["demonstrations"] == plain["demonstrations"]
+    # guess: every task is demonstrated; those a hit links with the gold, the rest with a guess that is often wrong
+    write_demonstrations(cfg, "hpo:mcq_train", tmp_path / "guess.jsonl", limit=100, progress=False, unlinked="guess")
+    guesses = read_demonstrations(tmp_path / "guess.jsonl")
+    guessed = [d for d in guesses if "does not settle it" in d["segments"][-1]["text"]]
+    assert len(guesses) == 100 and len(guessed) == 100 - plain["demonstrations"] and guessed
+    wrong = [d for d in guessed if f"<answer>{d['task']['answer']}</answer>" not in d["segments"][-1]["text"]]
+    assert len(wrong) >= len(guessed) // 2
+    assert all(f"<answer>{d['task']['answer']}</answer>" in d["segments"][-1]["text"]
+               for d in guesses if d not in guessed)
     from learners.expert import main  # the command line follows the config's cold-start stage
-    stage = "stages=[{name: cold_start, kind: sft, steps: 1, sft: {data: expert, expert_reads_ranking: false}}]"
+    stage = "stages=[{name: cold_start, kind: sft, steps: 1, sft: {data: expert, expert_unlinked: skip}}]"
     assert main(["--config", "configs/tiny.yaml", "--data", "hpo:mcq_train", "--out", str(tmp_path / "cli.jsonl"),
                  "--limit", "100", *overrides, "total_steps=1", stage]) == 0
     assert len(read_demonstrations(tmp_path / "cli.jsonl")) == plain["demonstrations"]
