@@ -1,6 +1,6 @@
 """bench_learning's plots, and held-out accuracy against training step for settings of its quickstart suite.
 
-    python benchmarks/plot_learning.py long_bm25 long_bm25_sft --out docs/long_run.png [--seed 0] [--grpo-from 10]
+    python benchmarks/plot_learning.py long_bm25 guess_bm25 guess_bm25_sft40 --out docs/long_run.png [--grpo-from 10]
 
 Reads the rows benchmarks/bench_learning.py --suite quickstart wrote (benchmarks/results/learning_quickstart.json):
 one line per setting and split, each evaluation with its 95% (Wilson) interval, so a long GRPO run and the

@@ -218,8 +218,8 @@ class SFTConfig(Strict):
     expert_unlinked: Literal["ranking", "skip", "guess"] = Field(
         "ranking", description="data expert with retrieval.rank_options, when no hit links the gold option: answer "
         "the options' ranking where it puts the gold first (ranking); trust only a linked hit and leave the task out "
-        "(skip); or answer a guess, as a teacher who must answer without evidence (guess); skip and guess leave "
-        "the ranking for RL to learn to read")
+        "(skip); or answer a guess, as a teacher who must answer without evidence (guess); skip and guess never "
+        "demonstrate reading the ranking")
     shuffle: bool = True
     args: dict = Field(default_factory=dict, description="settings of the recipe's demonstration source")
 

@@ -59,8 +59,8 @@ def gold_answer(task: dict, answer_with: str = "letter", letter: str | None = No
 
 
 def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter", letter: str | None = None) -> dict:
-    answer = gold_answer(task, answer_with, letter)
-    return {"role": "policy", "text": f"<think>{thought}</think>\n<{grammar.answer_tag}>{answer}</{grammar.answer_tag}>"}
+    answer, tag = gold_answer(task, answer_with, letter), grammar.answer_tag
+    return {"role": "policy", "text": f"<think>{thought}</think>\n<{tag}>{answer}</{tag}>"}
 
 
 def guessed_option(task: dict) -> str:
