@@ -48,27 +48,25 @@ def cut_observation(grammar, body: str, tokenizer) -> str:
     return tokenizer.decode(ids[:grammar.max_observation_tokens], skip_special_tokens=False)
 
 
-def gold_answer(task: dict, answer_with: str = "letter", letter: str | None = None) -> str:
-    """The gold option's letter (or `letter`, another option's), or with `answer_with="text"` its text (the accuracy
-    reward takes either). A small model copies a disease name from the retrieved text far more easily than it maps
-    that name to a letter."""
-    letter = letter or task["answer"]
-    if answer_with == "text" and task.get("options"):
-        return task["options"][letter]
-    return letter
-
-
 def answer_segment(task: dict, grammar, thought: str, answer_with: str = "letter", letter: str | None = None) -> dict:
-    answer, tag = gold_answer(task, answer_with, letter), grammar.answer_tag
+    """The closing turn: the thought, then the gold option (or `letter`, another option) by its letter or, with
+    `answer_with="text"`, its text (the accuracy reward takes either). A small model copies a disease name from the
+    retrieved text far more easily than it maps that name to a letter."""
+    letter, tag = letter or task["answer"], grammar.answer_tag
+    answer = task["options"][letter] if answer_with == "text" and task.get("options") else letter
     return {"role": "policy", "text": f"<think>{thought}</think>\n<{tag}>{answer}</{tag}>"}
+
+
+def task_draw(task: dict, salt: str = "") -> int:
+    """A 32-bit number fixed by the task's id (and `salt`): the expert's per-task choices, the same on every run."""
+    return int.from_bytes(hashlib.sha256(f"{salt}{task.get('id')}".encode()).digest()[:4], "big")
 
 
 def guessed_option(task: dict) -> str:
     """The option an expert without evidence answers: one of the task's options, uniform over tasks, fixed by the
     task's id (so it is right on about one task in as many as there are options)."""
     letters = sorted(task["options"])
-    return letters[int.from_bytes(hashlib.sha256(f"guess:{task.get('id')}".encode()).digest()[:4], "big")
-                   % len(letters)]
+    return letters[task_draw(task, "guess:") % len(letters)]
 
 
 def retrieval_demonstration(task: dict, grammar, environment, result: list[dict], tokenizer,
@@ -128,8 +126,7 @@ def gold_shown(page: list[dict], first_rank: int, observation: str, doc_id: str,
 
 def rechecks(task: dict, rate: float) -> bool:
     """Whether the expert asks for the next page on `task`: a fixed share `rate` of tasks, by the task's id."""
-    digest = hashlib.sha256(str(task.get("id")).encode()).digest()
-    return int.from_bytes(digest[:4], "big") < rate * 2**32
+    return task_draw(task) < rate * 2**32
 
 
 def tool_demonstration(task: dict, grammar, gym, tokenizer, image_dir: Path | None,
