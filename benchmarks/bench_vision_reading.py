@@ -1,6 +1,6 @@
 """What the seeing policy's language model reads of perfect image tokens: its reading, apart from its tower.
 
-    python benchmarks/bench_vision_reading.py [--name vision_reading] [--variants text asked cells] [--steps 100]
+    python benchmarks/bench_vision_reading.py [--name vision_reading] [--variants text vector asked cells] [--steps 100]
         [--every 50] [--lr 1e-3] [--limit 150]
 
 The tower is replaced by an oracle: each of an image's 3 x 3 merged tokens (one per region a question names) is the
