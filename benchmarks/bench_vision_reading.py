@@ -39,17 +39,16 @@ VARIANTS = ("text", "vector", "asked", "cells")
 MARKER = "<|video_pad|>"  # the vector variant's placeholder: a token no prompt holds, read as text (no video)
 
 
-def oracle_tower(dtype):
-    """A module in the vision tower's place: its merged tokens are those set on it for the next forward."""
+def oracle_tower(tower):
+    """A module in `tower`'s place (its dtype and merge size): its merged tokens are those set on it for the next
+    forward."""
     import torch
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
     class OracleTower(torch.nn.Module):
-        spatial_merge_size = 2
-
         def __init__(self):
             super().__init__()
-            self.dtype, self.tokens = dtype, None
+            self.dtype, self.spatial_merge_size, self.tokens = tower.dtype, tower.spatial_merge_size, None
 
         def forward(self, pixel_values, grid_thw=None, **_):
             return BaseModelOutputWithPooling(pooler_output=self.tokens)
@@ -102,17 +101,17 @@ def run_variant(variant: str, args, text_dir: Path) -> list[dict]:
     def word(text: str):
         return embed[tokenizer(f" {text}", add_special_tokens=False).input_ids].mean(0)
 
-    tower = model.model.visual = oracle_tower(embed.dtype)
+    tower = model.model.visual = oracle_tower(model.model.visual)
     marker, said = tokenizer.convert_tokens_to_ids(MARKER), {}
 
     def put_vectors(module, inputs, out):
-        """The vector variant: each row's MARKER embedding becomes its asked finding's oracle vector."""
-        if "vectors" in said and (inputs[0] == marker).any():
-            out = out.clone()
-            out[inputs[0] == marker] = said["vectors"]
+        """Each row's MARKER embedding becomes its asked finding's oracle vector."""
+        out = out.clone()
+        out[inputs[0] == marker] = said["vectors"]
         return out
 
-    model.model.language_model.embed_tokens.register_forward_hook(put_vectors)
+    if variant == "vector":
+        model.model.language_model.embed_tokens.register_forward_hook(put_vectors)
 
     def show(chunk: list[dict]) -> None:
         """What the next forward sees of `chunk`: the oracle's image tokens and, for `vector`, the told findings."""
