@@ -6,8 +6,8 @@ Two measures on the held-out images of `imaging:finding_mcq_test` (the first --l
 - the tower alone: a linear read-out fitted on the frozen tower's image tokens of --train-images rendered training
   images, then asked to name the finding under each held-out lesion token (large and small lesions apart; chance
   over the 14 findings is about 7%, over one modality's findings about 20%): how much of the finding the tokens carry;
-- the policy: the build's probe, the option letter ranked highest after `<answer>` (chance 25%), with 95% Wilson
-  intervals: how much of it the language model reads.
+- the policy: the build's probe, the option letter of its greedy reply (chance 25%) and the share of replies whose
+  thought names the finding, with 95% Wilson intervals: how much of it the language model reads.
 Prints a table and writes benchmarks/results/<name>.json.
 """
 from __future__ import annotations
@@ -95,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
              "value": share(int(named[mask].sum()), int(mask.sum())), "n": int(mask.sum())}
             for kind, mask in (("large", lesion & large), ("small", lesion & ~large))]
     for stratum, result in probe(model, processor, questions, held_out).items():
-        rows.append({"model": args.model, "measure": f"policy: {stratum} lesions, option ranked first",
-                     "value": share(round(result["accuracy"] * result["n"]), result["n"]), "n": result["n"]})
+        for measure, key in (("answered right", "accuracy"), ("thought names the finding", "named")):
+            rows.append({"model": args.model, "measure": f"policy: {stratum} lesions, {measure}",
+                         "value": share(round(result[key] * result["n"]), result["n"]), "n": result["n"]})
     report(args.name, rows)
     return 0
 

@@ -9,7 +9,7 @@ mean of the language model's own word embeddings of the finding whose large lesi
 wrapped in Qwen2.5-VL as the build wraps it (tasks/vision_model.py), learns through LoRA adapters of the build's
 alignment rank on the imaging world's training finding questions (multiple choice and open, the build's alignment
 data, loss on the answer), batches of 8; every --every steps it answers the first --limit held-out questions of
-`imaging:finding_mcq_test` (the build's probe: the option letter ranked first after `<answer>`; chance 25%).
+`imaging:finding_mcq_test` (the build's probe: the option letter of the model's greedy reply; chance 25%).
 Variants:
 - text: every image token is "none"; the question starts "The <region> of the image shows <finding>.";
 - vector: as text, but the finding is one token whose embedding is the oracle's (the mean of its words'): a finding
@@ -88,6 +88,7 @@ def run_variant(variant: str, args, text_dir: Path) -> list[dict]:
     from tasks.catalog import load_tasks
     from tasks.chat_format import save_processor
     from tasks.vision_data import RenderedPool
+    from tasks.vision_data import reply
     from tasks.vision_model import LANGUAGE_LINEARS, VisionRecipe, batches, cosine, encode, probe, wrap_language_model
     from transformers import AutoProcessor
 
@@ -105,9 +106,12 @@ def run_variant(variant: str, args, text_dir: Path) -> list[dict]:
     marker, said = tokenizer.convert_tokens_to_ids(MARKER), {}
 
     def put_vectors(module, inputs, out):
-        """Each row's MARKER embedding becomes its asked finding's oracle vector."""
+        """Each row's MARKER embedding becomes its asked finding's oracle vector (a generated token holds none)."""
+        held = inputs[0] == marker
+        if not held.any():
+            return out
         out = out.clone()
-        out[inputs[0] == marker] = said["vectors"]
+        out[held] = said["vectors"]
         return out
 
     if variant == "vector":
@@ -124,7 +128,13 @@ def run_variant(variant: str, args, text_dir: Path) -> list[dict]:
 
     train = tasks(["imaging:finding_mcq_train", "imaging:finding_open_train"])
     test = tasks(["imaging:finding_mcq_test"], args.limit)
-    row = lambda t: (0, t["messages"], t["answer"], t["metadata"]["size_stratum"])  # noqa: E731
+    opening = "<think>" if args.think else "<answer>"
+
+    def row(t: dict) -> tuple:
+        """The build's question row, its reply after `opening`: thinking, the build's; else the letter alone."""
+        answer = reply(t["metadata"], t["answer"]).removeprefix(opening) if args.think else t["answer"]
+        return 0, t["messages"], answer, t["metadata"]["size_stratum"]
+
     blank = RenderedPool(images=[Image.new("RGB", (448, 448))])  # the oracle ignores pixels; only the grid counts
 
     for p in model.model.language_model.parameters():
@@ -140,15 +150,16 @@ def run_variant(variant: str, args, text_dir: Path) -> list[dict]:
         for i in range(0, len(test), 10):  # the oracle's tokens are set per forward, so probe 10 at a time
             chunk = test[i:i + 10]
             show(chunk)
-            for stratum, got in probe(model, processor, [row(t) for t in chunk], blank, batch=len(chunk)).items():
-                counts = right.setdefault(stratum, [0, 0])
+            for stratum, got in probe(model, processor, [row(t) for t in chunk], blank, len(chunk), opening).items():
+                counts = right.setdefault(stratum, [0, 0, 0])
                 counts[0] += round(got["accuracy"] * got["n"])
-                counts[1] += got["n"]
+                counts[1] += round(got["named"] * got["n"])
+                counts[2] += got["n"]
         model.train()
-        return [{"variant": variant, "step": step, "lesions": stratum, "accuracy": k / n,
-                 "interval": [round(x, 3) for x in wilson_interval(k, n)], "n": n,
-                 "train_s": round(time.time() - started)}
-                for stratum, (k, n) in sorted(right.items())]
+        return [{"variant": variant, "answer": "thought" if args.think else "letter", "step": step,
+                 "lesions": stratum, "accuracy": k / n, "interval": [round(x, 3) for x in wilson_interval(k, n)],
+                 "named": named / n, "n": n, "train_s": round(time.time() - started)}
+                for stratum, (k, named, n) in sorted(right.items())]
 
     draw = batches(len(train), 8, random.Random(f"{recipe.seed}:align"))
     started, rows = time.time(), []
@@ -156,9 +167,7 @@ def run_variant(variant: str, args, text_dir: Path) -> list[dict]:
     for step in range(1, args.steps + 1):
         picked = [train[i] for i in next(draw)]
         show(picked)
-        batch = encode(processor, model, [row(t) for t in picked], blank)
-        batch.pop("prompt_ends")
-        model(**batch).loss.backward()
+        model(**encode(processor, model, [row(t) for t in picked], blank, opening=opening)).loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         schedule.step()
@@ -182,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--limit", type=int, default=150)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--think", action="store_true",
+                        help="train and probe answers that name the asked finding before the letter")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     text_dir = Path(resolve_model("smollm2-135m-instruct"))

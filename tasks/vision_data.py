@@ -95,13 +95,24 @@ def zoom_window(lesions: list[dict], rng: random.Random) -> tuple[int, int, int]
     return x, y, size
 
 
+def thought(metadata: dict) -> str:
+    """What the policy says it sees before it answers a finding question: the asked region's finding, in words."""
+    return f"The {metadata['region']} of the image shows {metadata['hpo_name']}."
+
+
+def reply(metadata: dict, answer: str) -> str:
+    """The policy's whole reply to a finding question: its thought, then the answer (closed by encode)."""
+    return f"<think>{thought(metadata)}</think><answer>{answer}"
+
+
 def question_rows(builder, pool: RenderedPool, split: str, kinds=("finding_mcq", "finding_open")) -> list[tuple]:
-    """(image index, chat messages, answer, lesion size) for the world's questions on the pool's cases."""
+    """(image index, chat messages, reply, lesion size) for the world's questions on the pool's cases."""
     made = builder.tasks(split, pool.cases)
     rows = []
     for kind in kinds:
         for i, task in enumerate(made[kind]):
-            rows.append((i, [m.model_dump() for m in task.messages], task.answer, task.metadata["size_stratum"]))
+            rows.append((i, [m.model_dump() for m in task.messages], reply(task.metadata, task.answer),
+                         task.metadata["size_stratum"]))
     return rows
 
 
@@ -116,5 +127,6 @@ def held_out_pool(limit: int) -> tuple[RenderedPool, list[tuple]]:
             pool.images.append(image.convert("RGB"))
         pool.lesions.append(task["metadata"]["lesions"])
         pool.cases.append(None)
-        rows.append((len(rows), task["messages"], task["answer"], task["metadata"]["size_stratum"]))
+        rows.append((len(rows), task["messages"], reply(task["metadata"], task["answer"]),
+                     task["metadata"]["size_stratum"]))
     return pool, rows

@@ -14,18 +14,22 @@ projector learn in two stages:
    call crops them. It is cheap, so it sees many rendered images.
 2. **Alignment** (the language model in the loop): the projector's output is scaled to the size of the language
    model's word embeddings, then the tower and projector learn from the imaging world's finding questions (multiple
-   choice and open) on training images, the loss on the answer alone, as in LLaVA's first stage. The language model
-   is frozen, or (`align_lora_rank`) lightly tuned through LoRA adapters merged into its weights at the end.
+   choice and open) on training images, the loss on the reply alone, as in LLaVA's first stage. The reply first says
+   what the asked region shows, then answers (`<think>The upper right of the image shows Osteolysis.</think>
+   <answer>B</answer>`): a small language model learns to name what an image token holds long before it learns to
+   pick a letter from it directly (benchmarks/bench_vision_reading.py). The language model is frozen, or
+   (`align_lora_rank`) tuned through LoRA adapters merged into its weights at the end.
 
 Training images are rendered from the imaging world's ``train`` split streams (never its test images) and shown at
 the input size the policy sees (tasks/vision_data.py). The build ends with a probe on held-out images
-(``imaging:finding_mcq_test``: the option letter the model ranks highest after ``<answer>``), by lesion size, written
-into the manifest.
+(``imaging:finding_mcq_test``: the model's greedy reply, its letter and whether its thought names the finding), by
+lesion size, written into the manifest.
 """
 from __future__ import annotations
 
 import math
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,10 +50,11 @@ class VisionRecipe:
     pretrain_batch: int = 32
     pretrain_lr: float = 6e-4
     zoom_share: float = 0.3  # pre-training images shown as a zoom-in crop around one of their lesions
-    align_steps: int = 120
+    align_steps: int = 300
     align_batch: int = 8
-    align_lr: float = 3e-4
+    align_lr: float = 3e-4       # the tower's and projector's
     align_lora_rank: int = 16  # > 0: the language model learns too, through LoRA adapters merged into it afterwards
+    align_lora_lr: float = 1e-3  # benchmarks/bench_vision_reading.py: the rate at which it learns to read image tokens
     probe_questions: int = 150
     seed: int = 0
     threads: int = 2
@@ -185,19 +190,19 @@ def cosine(optimizer, steps: int, warmup: int = 10):
                                              0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
 
 
-def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True):
+def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True, opening: str = ""):
     """The model's inputs for `rows` as the rollout builds them (the chat prompt's ids, the image's full run of pads)
-    followed by `<answer>` and, `with_answer`, the answer and the end of the turn; right-padded, labels on the
-    answer's tokens alone; `prompt_ends`: where each answer starts."""
+    followed by `opening` and, `with_answer`, the reply, `</answer>` and the end of the turn, right-padded with labels
+    on the reply's tokens alone; without the answer, left-padded, so that every prompt ends where generation starts."""
     import torch
 
     tokenizer, image_processor = processor.tokenizer, processor.image_processor
     values, grids = pixels(image_processor, [pool.images[r[0]] for r in rows])
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    opening = tokenizer.encode("<answer>", add_special_tokens=False)
+    opened = tokenizer.encode(opening, add_special_tokens=False)
     ids, ends = [], []
     for (_, messages, answer, _), grid in zip(rows, grids.tolist()):
-        prompt = expand_image_pads(chat_prompt_ids(tokenizer, messages, 1), pad, [math.prod(grid) // 4]) + opening
+        prompt = expand_image_pads(chat_prompt_ids(tokenizer, messages, 1), pad, [math.prod(grid) // 4]) + opened
         ends.append(len(prompt))
         tail = tokenizer.encode(f"{answer}</answer><|im_end|>", add_special_tokens=False) if with_answer else []
         ids.append(prompt + tail)
@@ -206,12 +211,14 @@ def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True)
     attention = torch.zeros((len(ids), width), dtype=torch.long)
     labels = torch.full((len(ids), width), -100)
     for b, (x, end) in enumerate(zip(ids, ends)):
-        input_ids[b, :len(x)] = torch.tensor(x)
-        attention[b, :len(x)] = 1
+        at = 0 if with_answer else width - len(x)
+        input_ids[b, at:at + len(x)] = torch.tensor(x)
+        attention[b, at:at + len(x)] = 1
         labels[b, end:len(x)] = input_ids[b, end:len(x)]
     # mm_token_type_ids gives image tokens their 3-D M-RoPE positions, as vLLM does (learners/batches.py)
-    return {"input_ids": input_ids, "attention_mask": attention, "labels": labels, "pixel_values": values,
-            "image_grid_thw": grids, "mm_token_type_ids": (input_ids == pad).int(), "prompt_ends": ends}
+    inputs = {"input_ids": input_ids, "attention_mask": attention, "pixel_values": values, "image_grid_thw": grids,
+              "mm_token_type_ids": (input_ids == pad).int()}
+    return {**inputs, "labels": labels} if with_answer else inputs
 
 
 def align(model, processor, rows: list[tuple], pool: RenderedPool, recipe: VisionRecipe, progress) -> dict:
@@ -223,22 +230,21 @@ def align(model, processor, rows: list[tuple], pool: RenderedPool, recipe: Visio
     for p in model.model.language_model.parameters():
         p.requires_grad_(False)
     match_embedding_scale(model, processor, pool)
-    params = list(model.model.visual.parameters())
+    groups = [{"params": list(model.model.visual.parameters()), "lr": recipe.align_lr}]
     if recipe.align_lora_rank:
         from peft import LoraConfig, get_peft_model
         adapted = get_peft_model(model.model.language_model, LoraConfig(
             r=recipe.align_lora_rank, lora_alpha=2 * recipe.align_lora_rank, target_modules=LANGUAGE_LINEARS))
         model.model.language_model = adapted
-        params += [p for p in adapted.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=recipe.align_lr, weight_decay=0.0)
+        groups.append({"params": [p for p in adapted.parameters() if p.requires_grad], "lr": recipe.align_lora_lr})
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     schedule = cosine(optimizer, recipe.align_steps)
     draw = batches(len(rows), recipe.align_batch, random.Random(f"{recipe.seed}:align"))
     model.train()
     recent = []
     for step in range(recipe.align_steps):
-        batch = encode(processor, model, [rows[i] for i in next(draw)], pool)
-        batch.pop("prompt_ends")
-        loss = model(**batch).loss
+        loss = model(**encode(processor, model, [rows[i] for i in next(draw)], pool)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
@@ -271,25 +277,30 @@ def match_embedding_scale(model, processor, pool: RenderedPool, images: int = 32
         last.bias.mul_(ratio)
 
 
-def probe(model, processor, rows: list[tuple], pool: RenderedPool, batch: int = 8) -> dict:
-    """Multiple-choice accuracy by lesion size: the option letter with the highest log-probability right after
-    `<answer>`, over every row (finding_mcq questions)."""
+def probe(model, processor, rows: list[tuple], pool: RenderedPool, batch: int = 10, opening: str = "") -> dict:
+    """By lesion size, over `rows` (finding_mcq questions with the expected reply): the share answered with the right
+    option letter, and the share whose thought (`<think>`) names the right finding, from the model's greedy reply."""
     import torch
 
-    letters = [processor.tokenizer(x, add_special_tokens=False).input_ids[0] for x in "ABCD"]
-    right: dict[str, list[bool]] = {}
+    right: dict[str, list[tuple[bool, bool]]] = {}
     model.eval()
     with torch.no_grad():
         for i in range(0, len(rows), batch):
             chunk = rows[i:i + batch]
-            inputs = encode(processor, model, chunk, pool, with_answer=False)
-            ends = inputs.pop("prompt_ends")
-            inputs.pop("labels")
-            logits = model(**inputs).logits
-            for b, (_, _, answer, stratum) in enumerate(chunk):
-                choice = "ABCD"[int(logits[b, ends[b] - 1, letters].argmax())]
-                right.setdefault(stratum, []).append(choice == answer)
-    return {stratum: {"accuracy": sum(v) / len(v), "n": len(v)} for stratum, v in sorted(right.items())}
+            inputs = encode(processor, model, chunk, pool, with_answer=False, opening=opening)
+            out = model.generate(**inputs, max_new_tokens=PROBE_TOKENS, do_sample=False)
+            for b, (_, _, expected, stratum) in enumerate(chunk):
+                said = opening + processor.tokenizer.decode(out[b, inputs["input_ids"].shape[1]:])
+                expected = opening + expected
+                letter = re.search(r"<answer>\s*([ABCD])\b", said)
+                right.setdefault(stratum, []).append((
+                    bool(letter) and letter.group(1) == expected.rsplit("<answer>", 1)[-1],
+                    "</think>" in expected and said.split("</think>")[0] == expected.split("</think>")[0]))
+    return {stratum: {"accuracy": sum(a for a, _ in v) / len(v), "named": sum(n for _, n in v) / len(v), "n": len(v)}
+            for stratum, v in sorted(right.items())}
+
+
+PROBE_TOKENS = 40  # a finding question's reply: its thought and answer are ~25 tokens
 
 
 def build_vision_model(text_dir: Path, out: Path, recipe: VisionRecipe, show_progress: bool = True) -> dict:

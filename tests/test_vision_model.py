@@ -121,3 +121,32 @@ def test_an_interrupted_build_leaves_nothing_in_the_cache(tmp_path, monkeypatch)
         model_aliases.ensure_alias_model("tiny-vision")
     assert not (tmp_path / "models" / "tiny-vision").exists()
     assert [p.name for p in (tmp_path / "models").iterdir() if not p.name.endswith(".lock")] == []
+
+
+@pytest.mark.slow
+def test_a_reply_generated_in_a_left_padded_batch_is_the_one_generated_alone(real_model_path):
+    import tempfile
+    from pathlib import Path
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+    from tasks.chat_format import save_processor
+    from tasks.vision_data import RenderedPool
+    from tasks.vision_model import encode, wrap_language_model
+
+    model, tokenizer = wrap_language_model(real_model_path, TINY)
+    with tempfile.TemporaryDirectory() as out:
+        save_processor(tokenizer, Path(out))
+        processor = AutoProcessor.from_pretrained(out)
+    pool = RenderedPool(images=[Image.new("RGB", (448, 448), (40, 40, 40)), Image.new("RGB", (448, 448), "white")])
+    rows = [(0, [{"role": "user", "content": "What finding is present in the upper left of the image?"}], "", "large"),
+            (1, [{"role": "user", "content": "Which finding? Answer with its name."}], "", "small")]
+    model.eval()
+    with torch.no_grad():
+        together = encode(processor, model, rows, pool, with_answer=False)
+        assert together["attention_mask"][1, 0] == 0 and together["attention_mask"][:, -1].all()  # padded on the left
+        both = model.generate(**together, max_new_tokens=6, do_sample=False)[:, together["input_ids"].shape[1]:]
+        for b, row in enumerate(rows):
+            alone = encode(processor, model, [row], pool, with_answer=False)
+            assert both[b].tolist() == model.generate(**alone, max_new_tokens=6, do_sample=False)[
+                0, alone["input_ids"].shape[1]:].tolist()
