@@ -87,8 +87,7 @@ def run_variant(variant: str, args, text_dir: Path) -> list[dict]:
     from PIL import Image
     from tasks.catalog import load_tasks
     from tasks.chat_format import save_processor
-    from tasks.vision_data import RenderedPool
-    from tasks.vision_data import reply
+    from tasks.vision_data import RenderedPool, reply
     from tasks.vision_model import LANGUAGE_LINEARS, VisionRecipe, batches, cosine, encode, probe, wrap_language_model
     from transformers import AutoProcessor
 
