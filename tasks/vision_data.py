@@ -95,14 +95,10 @@ def zoom_window(lesions: list[dict], rng: random.Random) -> tuple[int, int, int]
     return x, y, size
 
 
-def thought(metadata: dict) -> str:
-    """What the policy says it sees before it answers a finding question: the asked region's finding, in words."""
-    return f"The {metadata['region']} of the image shows {metadata['hpo_name']}."
-
-
 def reply(metadata: dict, answer: str) -> str:
-    """The policy's whole reply to a finding question: its thought, then the answer (closed by encode)."""
-    return f"<think>{thought(metadata)}</think><answer>{answer}"
+    """The policy's whole reply to a finding question: a thought naming the asked region's finding in words, then the
+    answer (closed by encode)."""
+    return f"<think>The {metadata['region']} of the image shows {metadata['hpo_name']}.</think><answer>{answer}"
 
 
 def question_rows(builder, pool: RenderedPool, split: str, kinds=("finding_mcq", "finding_open")) -> list[tuple]:
