@@ -100,16 +100,23 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def stop_cluster(temp_dir: str) -> None:
-    procs = cluster_processes(temp_dir)
+def stop_cluster(temp_dir: str) -> list[psutil.Process]:
+    """Terminate the cluster, kill what outlives 15 s, and return what still runs 10 s after that. A killed process
+    turns zombie only once the kernel has torn it down, so each phase polls rather than checking once."""
+    remaining = _signal_and_wait(cluster_processes(temp_dir), "terminate", temp_dir, 15)
+    return _signal_and_wait(remaining, "kill", temp_dir, 10)
+
+
+def _signal_and_wait(procs: list[psutil.Process], signal: str, temp_dir: str, seconds: float) -> list[psutil.Process]:
     for proc in procs:
         try:
-            proc.terminate()
+            getattr(proc, signal)()
         except psutil.NoSuchProcess:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for proc in alive:
-        proc.kill()
+    deadline = time.monotonic() + seconds
+    while (remaining := cluster_processes(temp_dir)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return remaining
 
 
 @pytest.mark.slow
@@ -153,7 +160,6 @@ def test_job_submit_runs_the_quickstart_on_a_loopback_head(tmp_path):
         assert (out / "checkpoints" / "latest").resolve().name == "step_2"
         assert (out / "checkpoints" / "step_2" / "model.safetensors").is_file()
     finally:
-        stop_cluster(temp_dir)
-        leftovers = cluster_processes(temp_dir)
+        leftovers = stop_cluster(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
     assert not leftovers
