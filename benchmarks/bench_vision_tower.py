@@ -60,16 +60,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-images", type=int, default=500)
     parser.add_argument("--variant", action="append", default=[], help="NAME:field=value,... (repeatable)")
     args = parser.parse_args(argv)
-    variants = [parse_variant(v) for v in args.variant or ["shipped:"]]
-    recipes = [(name, dataclasses.replace(VisionRecipe(), **fields)) for name, fields in variants]
-    torch.set_num_threads(VisionRecipe().threads)
+    shipped = VisionRecipe()
+    variants = [(name, fields, dataclasses.replace(shipped, **fields))
+                for name, fields in map(parse_variant, args.variant or ["shipped:"])]
+    torch.set_num_threads(shipped.threads)
     text_dir = resolve_model(args.text_model)
     builder = ImagingTaskBuilder(load_hpo_snapshot(), seed=0)
-    most = max(max(r.pretrain_images for _, r in recipes), READOUT_IMAGES)
-    train = render_pool(builder, "train", most, VisionRecipe().threads)
-    val = render_pool(builder, "val", args.val_images, VisionRecipe().threads)
+    most = max(max(recipe.pretrain_images for _, _, recipe in variants), READOUT_IMAGES)
+    train = render_pool(builder, "train", most, shipped.threads)
+    val = render_pool(builder, "val", args.val_images, shipped.threads)
+    readout_pool = RenderedPool(train.images[:READOUT_IMAGES], train.lesions[:READOUT_IMAGES])
     rows, image_processor = [], None
-    for name, recipe in recipes:
+    for name, fields, recipe in variants:
         model, tokenizer = wrap_language_model(text_dir, recipe)
         if image_processor is None:  # the policy's processor, the same for every variant
             with tempfile.TemporaryDirectory() as tmp:
@@ -81,12 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             trained = pretrain_tower(model, image_processor, pool, recipe, progress)
         minutes = (time.perf_counter() - started) / 60
         visual = model.model.visual.eval()
-        readout_pool = RenderedPool(train.images[:READOUT_IMAGES], train.lesions[:READOUT_IMAGES])
         readout = fit_readout(*token_features(visual, image_processor, readout_pool)[:2])
         features, labels, large = token_features(visual, image_processor, val)
         named = readout(features).argmax(-1) == labels
         lesion = labels != NONE
-        row = {"variant": name, "changes": ", ".join(f"{k}={v}" for k, v in dict(variants)[name].items()) or "-",
+        row = {"variant": name, "changes": ", ".join(f"{k}={v}" for k, v in fields.items()) or "-",
                "pre-training min": round(minutes, 1),
                "lesion tokens named, last steps": round(trained["lesion_tokens_named"], 3)}
         for kind, mask in (("large", lesion & large), ("small", lesion & ~large)):
