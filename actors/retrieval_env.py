@@ -46,12 +46,18 @@ def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> s
     return f"[{rank + 1}] {hit.get('title', '')}" + (f" (option {letter})" if letter else "")
 
 
-def options_ranked(candidates: list[dict], options: dict[str, str]) -> str:
-    """The line that follows hits linking no option: the options the search scores, in its order (`candidates`,
-    best first, as a search `among` the options' texts returns them)."""
+def options_ranked(candidates: list[dict], options: dict[str, str], style: bool | str = True) -> str:
+    """The line that follows hits linking no option: the options the search scores (`candidates`, best first, as a
+    search `among` the options' texts returns them). Style True: in the search's order ("ranks the options C, A");
+    "places": each option in the question's order with its place ("ranks option A 2nd, option C 1st"), so that the
+    first letter read is not the search's choice and answering it takes reading the places."""
     letters = list(dict.fromkeys(letter for hit in candidates if (letter := linked_option(hit, options))))
     if not letters:
         return "No option is among these results, and the search matches none of them."
+    if style == "places":
+        place = {letter: ("1st", "2nd", "3rd")[i] if i < 3 else f"{i + 1}th" for i, letter in enumerate(letters)}
+        places = ", ".join(f"option {letter} {place[letter]}" for letter in options if letter in place)
+        return f"No option is among these results; the search ranks {places}."
     return f"No option is among these results; the search ranks the options {', '.join(letters)}."
 
 
@@ -62,15 +68,16 @@ class RetrievalEnvironment(Environment):
     shape the observation (:func:`retrieval_text`). With `paging`, a query the episode already searched returns
     the next `top_k` hits (as a search engine's next page), numbered on; the turn records its `page` (1, 2, ...).
     With `rank_options` (and `link_options`), hits that link no option are followed by the options in the order the
-    same search ranks them however deep (:func:`options_ranked`; recorded as `options_ranked`)."""
+    same search ranks them however deep (:func:`options_ranked`, in the style `rank_options` names; recorded as
+    `options_ranked`, best first)."""
     role = "retriever"
 
     def __init__(self, retriever, top_k: int, timeout_s: float = 60.0, show: str = "passages",
                  link_options: bool = False, passage_chars: int | None = None, paging: bool = False,
-                 rank_options: bool = False):
+                 rank_options: bool | str = False):
         self.retriever, self.top_k, self.timeout_s = retriever, top_k, timeout_s
         self.show, self.link_options, self.passage_chars, self.paging = show, link_options, passage_chars, paging
-        self.rank_options = rank_options and link_options
+        self.rank_options = rank_options if link_options else False
 
     def among(self, options: dict[str, str] | None) -> list[str] | None:
         """The titles a search for a task with `options` also ranks (its options' texts), or None."""
@@ -121,7 +128,7 @@ class RetrievalEnvironment(Environment):
         if options:  # what the policy was shown linked: the evaluation's gold-option link rates read it
             record["linked"] = [letter for d in hits or [] if (letter := linked_option(d, options))]
             if self.rank_options and error is None and not record["linked"]:
-                text += "\n" + options_ranked(candidates, options)
+                text += "\n" + options_ranked(candidates, options, self.rank_options)
                 record["options_ranked"] = [letter for d in candidates if (letter := linked_option(d, options))]
         return Observation(text, record)
 

@@ -174,9 +174,11 @@ class RetrievalSection(Strict):
                                                               "characters (the index holds it whole); null: whole")
     paging: bool = Field(False, description="a query the episode already searched returns the next top_k hits, "
                                             "numbered on (a search engine's next page)")
-    rank_options: bool = Field(False, description="with link_options: hits that link no option are followed by the "
-                                                  "options in the order the same search ranks them, however deep "
-                                                  "(sparse or phenotype search)")
+    rank_options: bool | Literal["places"] = Field(
+        False, description="with link_options: hits that link no option are followed by the options as the same "
+                           "search ranks them, however deep (sparse or phenotype search); true: in its order ('ranks "
+                           "the options C, A'); places: in the question's order with their places ('ranks option A "
+                           "2nd, option C 1st'), so the first letter read is not the search's choice")
 
     @model_validator(mode="after")
     def _mode_fits_the_index(self):

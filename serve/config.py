@@ -80,8 +80,9 @@ class AgentSettings(Strict):
                                                               "the run's retrieval.passage_chars")
     paging: bool | None = Field(None, description="a repeated query returns the next top_k hits; none: the run's "
                                                   "retrieval.paging")
-    rank_options: bool | None = Field(None, description="hits linking no option are followed by the options in the "
-                                                        "search's order; none: the run's retrieval.rank_options")
+    rank_options: bool | Literal["places"] | None = Field(
+        None, description="hits linking no option are followed by the options as the search ranks them (true: in its "
+                          "order; places: each with its place); none: the run's retrieval.rank_options")
     retrieval_timeout_s: float = Field(30.0, gt=0)
     image_index_dir: str | None = Field(
         None, description="CDIR's image-caption index (python -m indexing.image_index): with a multimodal checkpoint, "

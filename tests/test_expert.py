@@ -160,6 +160,11 @@ def test_options_ranked_by_the_search_follow_hits_that_link_none():
     assert env.observe(episode, "q", [], None).text == \
         "no results\nNo option is among these results, and the search matches none of them."
     assert env.among(episode.task["options"]) == ["Gout", "Asthma", "Rickets"] and env.among(None) is None
+    # places: the same ranking in the question's order, each option with its place; recorded alike, best first
+    env = RetrievalEnvironment(None, top_k=2, show="titles", link_options=True, rank_options="places")
+    unlinked = env.observe(episode, "q", [{"id": "x#0", "title": "Lupus", "text": ""}] + candidates, None)
+    assert unlinked.text == "[1] Lupus\nNo option is among these results; the search ranks option A 2nd, option C 1st."
+    assert unlinked.record["options_ranked"] == ["C", "A"]
 
 
 def test_the_expert_answers_from_the_options_ranking_when_no_hit_links_the_gold(tiny_model_path, tmp_path):
