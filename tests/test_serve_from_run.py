@@ -83,6 +83,9 @@ def test_served_paging_is_training_paging(tiny_model_path):
     agent = agent_from_run(AgentSettings(index_dir="index"), {"retrieval": {"paging": True, "search": {"top_k": 1}}})
     env = retrieval_environment(agent, agent.retrieval["top_k"])
     assert (env.paging, env.top_k, env.show) == (True, 1, "passages")  # unset: training's default
+    places = agent_from_run(AgentSettings(index_dir="index"), {"retrieval": {"link_options": True,
+                                                                           "rank_options": "places"}})
+    assert retrieval_environment(places, 1).rank_options == "places"  # the ranking's style travels too
     asked = []
     turns = iter(["<query>tall</query>", "<query>Tall </query>", "<answer>B</answer>"])
 
