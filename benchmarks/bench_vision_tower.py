@@ -39,7 +39,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, sep, value = item.partition("=")
         if not sep or not hasattr(defaults, key):
             raise SystemExit(f"--variant {text!r}: {item!r} is not field=value of a VisionRecipe field")
-        fields[key] = type(getattr(defaults, key))(value)
+        kind = type(getattr(defaults, key))
+        try:
+            fields[key] = kind(value)
+        except ValueError:
+            raise SystemExit(f"--variant {text!r}: {key} takes a {kind.__name__}, not {value!r}") from None
     return name, fields
 
 
