@@ -65,8 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], help="NAME:field=value,... (repeatable)")
     args = parser.parse_args(argv)
     shipped = VisionRecipe()
-    variants = [(name, fields, dataclasses.replace(shipped, **fields))
-                for name, fields in map(parse_variant, args.variant or ["shipped:"])]
+    try:
+        variants = [(name, fields, dataclasses.replace(shipped, **fields))
+                    for name, fields in map(parse_variant, args.variant or ["shipped:"])]
+    except ValueError as e:  # a recipe its own check refuses (VisionRecipe.__post_init__)
+        raise SystemExit(f"--variant: {e}") from None
     torch.set_num_threads(shipped.threads)
     text_dir = resolve_model(args.text_model)
     builder = ImagingTaskBuilder(load_hpo_snapshot(), seed=0)
@@ -74,13 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     train = render_pool(builder, "train", most, shipped.threads)
     val = render_pool(builder, "val", args.val_images, shipped.threads)
     readout_pool = RenderedPool(train.images[:READOUT_IMAGES], train.lesions[:READOUT_IMAGES])
-    rows, image_processor = [], None
+    rows = []
     for name, fields, recipe in variants:
         model, tokenizer = wrap_language_model(text_dir, recipe)
-        if image_processor is None:  # the policy's processor, the same for every variant
-            with tempfile.TemporaryDirectory() as tmp:
-                save_processor(tokenizer, Path(tmp))
-                image_processor = AutoProcessor.from_pretrained(tmp).image_processor
+        with tempfile.TemporaryDirectory() as tmp:  # the policy's processor for this variant's patch grid
+            save_processor(tokenizer, Path(tmp), recipe.patch_size, recipe.merge_size)
+            image_processor = AutoProcessor.from_pretrained(tmp).image_processor
         pool = RenderedPool(train.images[:recipe.pretrain_images], train.lesions[:recipe.pretrain_images])
         started = time.perf_counter()
         with tqdm(total=recipe.pretrain_steps, desc=name, unit="step", mininterval=10) as progress:

@@ -25,13 +25,15 @@ CHAT_TEMPLATE = (
 IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
 
 
-def save_processor(tokenizer, out_dir: Path) -> None:
+def save_processor(tokenizer, out_dir: Path, patch_size: int = 14, merge_size: int = 2) -> None:
     """Qwen2.5-VL's processor (image + video processors, the project tokenizer, its chat template), so vLLM and
-    `AutoProcessor` turn images into `<|image_pad|>` runs and pixel patches as the real model's would."""
+    `AutoProcessor` turn images into `<|image_pad|>` runs and pixel patches as the real model's would; `patch_size`
+    and `merge_size` are the vision tower's (a merged token covers patch_size x merge_size pixels a side)."""
     from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
     size = {"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS}
-    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size), tokenizer=tokenizer,
-                        video_processor=Qwen2VLVideoProcessor(size=size),
+    grid = {"patch_size": patch_size, "merge_size": merge_size}
+    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size, **grid), tokenizer=tokenizer,
+                        video_processor=Qwen2VLVideoProcessor(size=size, **grid),
                         chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
 
 

@@ -45,6 +45,8 @@ class VisionRecipe:
     depth: int = 4
     hidden_size: int = 256
     num_heads: int = 4
+    patch_size: int = 14  # pixels a side of the patch one linear map embeds
+    merge_size: int = 2   # merged tokens gather merge_size x merge_size patches: one per cell of the 3 x 3 grid
     pretrain_images: int = 3000
     pretrain_steps: int = 4000
     pretrain_batch: int = 32
@@ -59,10 +61,16 @@ class VisionRecipe:
     seed: int = 0
     threads: int = 2
 
+    def __post_init__(self):
+        if self.patch_size * self.merge_size * 3 != INPUT_SIZE:
+            raise ValueError(f"patch_size {self.patch_size} x merge_size {self.merge_size} must be {INPUT_SIZE // 3} "
+                             f"px, a third of the {INPUT_SIZE}-px input: one merged token per cell questions name")
+
     def vision_config(self, out_hidden_size: int) -> dict:
         """Qwen2.5-VL's vision settings; every block attends to the whole image (a window as large as the input)."""
         return dict(depth=self.depth, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
-                    num_heads=self.num_heads, out_hidden_size=out_hidden_size, patch_size=14, spatial_merge_size=2,
+                    num_heads=self.num_heads, out_hidden_size=out_hidden_size, patch_size=self.patch_size,
+                    spatial_merge_size=self.merge_size,
                     temporal_patch_size=2, window_size=INPUT_SIZE, fullatt_block_indexes=list(range(self.depth)))
 
 
@@ -199,10 +207,11 @@ def encode(processor, model, rows, pool: RenderedPool, with_answer: bool = True,
     tokenizer, image_processor = processor.tokenizer, processor.image_processor
     values, grids = pixels(image_processor, [pool.images[r[0]] for r in rows])
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    merged = model.config.vision_config.spatial_merge_size ** 2
     opened = tokenizer.encode(opening, add_special_tokens=False)
     ids, ends = [], []
     for (_, messages, answer, _), grid in zip(rows, grids.tolist()):
-        prompt = expand_image_pads(chat_prompt_ids(tokenizer, messages, 1), pad, [math.prod(grid) // 4]) + opened
+        prompt = expand_image_pads(chat_prompt_ids(tokenizer, messages, 1), pad, [math.prod(grid) // merged]) + opened
         ends.append(len(prompt))
         tail = tokenizer.encode(f"{answer}</answer><|im_end|>", add_special_tokens=False) if with_answer else []
         ids.append(prompt + tail)
@@ -315,7 +324,7 @@ def build_vision_model(text_dir: Path, out: Path, recipe: VisionRecipe, show_pro
 
     torch.set_num_threads(recipe.threads)
     model, tokenizer = wrap_language_model(text_dir, recipe)
-    save_processor(tokenizer, out)
+    save_processor(tokenizer, out, recipe.patch_size, recipe.merge_size)
     processor = AutoProcessor.from_pretrained(out)
     builder = ImagingTaskBuilder(load_hpo_snapshot(), seed=0)
     with tqdm(total=recipe.pretrain_steps + recipe.align_steps, desc="seeing policy", unit="step",

@@ -72,6 +72,33 @@ def test_the_wrapped_language_model_reads_text_exactly_as_smollm2(real_model_pat
 
 
 @pytest.mark.slow
+def test_a_finer_patch_grid_still_gives_one_image_token_per_cell(real_model_path, tmp_path):
+    import dataclasses
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor
+    from tasks.chat_format import save_processor
+    from tasks.vision_data import RenderedPool
+    from tasks.vision_model import encode, wrap_language_model
+
+    with pytest.raises(ValueError, match="patch_size 7 x merge_size 2 must be 28 px"):
+        VisionRecipe(patch_size=7)
+    recipe = dataclasses.replace(TINY, patch_size=7, merge_size=4)
+    model, tokenizer = wrap_language_model(real_model_path, recipe)
+    save_processor(tokenizer, tmp_path, recipe.patch_size, recipe.merge_size)
+    processor = AutoProcessor.from_pretrained(tmp_path)
+    pool = RenderedPool(images=[Image.new("RGB", (448, 448), "white")])
+    rows = [(0, [{"role": "user", "content": "What finding is present in the center of the image?"}], "", "large")]
+    inputs = encode(processor, model, rows, pool, with_answer=False)
+    assert inputs["image_grid_thw"].tolist() == [[1, 12, 12]]  # 84 px in patches of 7
+    assert int((inputs["input_ids"] == model.config.image_token_id).sum()) == 9  # merged 4 x 4: one a cell
+    with torch.no_grad():
+        tokens = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+        assert tokens.shape[0] == 9
+        assert model.eval()(**inputs).logits.shape[1] == inputs["input_ids"].shape[1]
+
+
+@pytest.mark.slow
 def test_a_built_seeing_policy_takes_an_image_and_records_what_the_build_measured(real_model_path, tmp_path,
                                                                                monkeypatch):
     import torch
