@@ -7,7 +7,8 @@ Each variant is the build's VisionRecipe with some fields changed (`shipped` cha
 pre-trained as the build's first stage does (tasks/vision_model.pretrain_tower), then a linear read-out fitted on its
 frozen tokens of 1,000 training images names the finding under each token of --val-images images rendered from a
 validation split (neither the training nor the test split, so a variant is never chosen on test images): large and
-small lesion tokens apart, with 95% Wilson intervals, and the minutes pre-training took.
+small lesion tokens apart (the large also among their modality's findings alone, as a question's options are), with
+95% Wilson intervals, and the minutes pre-training took.
 Prints a table and writes benchmarks/results/<name>.json.
 """
 from __future__ import annotations
@@ -45,6 +46,21 @@ def parse_variant(text: str) -> tuple[str, dict]:
         except ValueError:
             raise SystemExit(f"--variant {text!r}: {key} takes a {kind.__name__}, not {value!r}") from None
     return name, fields
+
+
+def among_modality(logits, labels):
+    """Per lesion token, the read-out's best finding among those of the lesion's modality, as a finding question's
+    options are (and bench_vision_input's CNN chooses); tokens without a lesion get index 0."""
+    import torch
+    from benchmarks.bench_vision_input import OPTIONS
+    from tasks.imaging import FINDINGS
+    from tasks.vision_data import NONE
+
+    allowed = torch.full_like(logits, float("-inf"))
+    for i, label in enumerate(labels.tolist()):
+        if label != NONE:
+            allowed[i, OPTIONS[FINDINGS[label].modality]] = 0.0
+    return (logits + allowed).argmax(-1)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,13 +107,16 @@ def main(argv: list[str] | None = None) -> int:
         visual = model.model.visual.eval()
         readout = fit_readout(*token_features(visual, image_processor, readout_pool)[:2])
         features, labels, large = token_features(visual, image_processor, val)
-        named = readout(features).argmax(-1) == labels
+        logits = readout(features)
+        named, among = logits.argmax(-1) == labels, among_modality(logits, labels) == labels
         lesion = labels != NONE
         row = {"variant": name, "changes": ", ".join(f"{k}={v}" for k, v in fields.items()) or "-",
                "pre-training min": round(minutes, 1),
                "lesion tokens named, last steps": round(trained["lesion_tokens_named"], 3)}
         for kind, mask in (("large", lesion & large), ("small", lesion & ~large)):
             row[f"val {kind} named"] = share(int(named[mask].sum()), int(mask.sum()))
+        row["val large, among its modality's findings"] = share(int(among[lesion & large].sum()),
+                                                               int((lesion & large).sum()))
         row["n large"] = int((lesion & large).sum())
         rows.append(row)
         print(row, flush=True)
