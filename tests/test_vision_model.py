@@ -30,6 +30,18 @@ def test_each_token_is_labelled_with_the_lesion_covering_most_of_it():
     assert token_targets([lesion, other], 4, False, False)[:2] == [[f.key for f in FINDINGS].index("cyst"), NODULE]
 
 
+def test_the_tower_benchmark_scores_a_lesion_among_its_modality_s_findings_alone():
+    import torch
+    from benchmarks.bench_vision_tower import among_modality
+
+    chest = [f.key for f in FINDINGS].index("cyst")
+    bone = [f.key for f in FINDINGS].index("fracture")
+    logits = torch.zeros(2, NONE + 1)
+    logits[:, bone], logits[:, chest], logits[:, NONE] = 3.0, 2.0, 4.0  # a bone finding first, then "none"
+    # a chest lesion's token: the chest finding is the best of its modality; a bone lesion's keeps the bone finding
+    assert among_modality(logits, torch.tensor([chest, bone])).tolist() == [chest, bone]
+
+
 def register_tiny_vision(monkeypatch, tmp_path, base_dir):
     """The alias `tiny-vision`: a TINY build on top of `base_dir` as the text alias, built under `tmp_path`."""
     monkeypatch.setitem(model_aliases.ALIASES, "tiny-vision",
