@@ -9,6 +9,12 @@ frozen tokens of 1,000 training images names the finding under each token of --v
 validation split (neither the training nor the test split, so a variant is never chosen on test images): large and
 small lesion tokens apart (the large also among their modality's findings alone, as a question's options are), with
 95% Wilson intervals, and the minutes pre-training took.
+
+With --cells EPOCHS, each variant's random tower is instead trained the way bench_vision_input.py trains its CNN, on
+the lesion cells of the training images cut out at the policy's input size (one merged token a cell), and names the
+finding of each validation cell among its modality's findings; that CNN is trained and scored on the same cells in
+the first row: the tower's architecture against a convolution's on one task, with nothing else (the rest of the
+image, empty tokens, the read-out) in between.
 Prints a table and writes benchmarks/results/<name>.json.
 """
 from __future__ import annotations
@@ -27,6 +33,55 @@ from benchmarks.bench_vision import fit_readout, share, token_features  # noqa: 
 from benchmarks.common import report  # noqa: E402
 
 READOUT_IMAGES = 1000
+
+
+def cell_patches(crops, image_processor, merge_size: int):
+    """Cell crops ([n, 3, side, side] in [0, 1], side = patch x merge) as the tower's input: normalised as the
+    policy's processor normalises, cut into each cell's merge x merge patches in raster order, each patch flattened
+    as (channel, time, y, x) with the image repeated over the processor's two time steps."""
+    import torch
+
+    n, _, side, _ = crops.shape
+    m, p = merge_size, side // merge_size
+    mean = torch.tensor(image_processor.image_mean).view(1, 3, 1, 1)
+    std = torch.tensor(image_processor.image_std).view(1, 3, 1, 1)
+    x = ((crops - mean) / std).reshape(n, 3, m, p, m, p).permute(0, 2, 4, 1, 3, 5).unsqueeze(4)
+    return x.expand(n, m, m, 3, image_processor.temporal_patch_size, p, p).reshape(n * m * m, -1)
+
+
+def cell_tower(visual, image_processor):
+    """`visual` as a classifier of cells (bench_vision_input's centred crops, one merged token's side): one logit per
+    finding from each crop's merged token."""
+    import torch
+    from tasks.imaging import FINDINGS
+
+    class CellTower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.visual = visual
+            self.head = torch.nn.Linear(visual.merger.mlp[-1].out_features, len(FINDINGS))
+
+        def forward(self, centred):
+            m = visual.spatial_merge_size
+            grid = torch.tensor([[1, m, m]] * centred.shape[0])
+            tokens = self.visual(cell_patches(centred + 0.5, image_processor, m), grid_thw=grid).pooler_output
+            return self.head(tokens)
+
+    return CellTower()
+
+
+def on_cells(name: str, net, lr: float, train_cells, val_cells, epochs: int) -> dict:
+    """A row: `net` (None: bench_vision_input's CNN) trained as that benchmark trains its CNN on `train_cells`, then
+    the share of `val_cells` whose finding it names among the modality's findings, by lesion size."""
+    from benchmarks.bench_vision_input import fit, named_by_stratum
+
+    started = time.perf_counter()
+    net = fit(*train_cells[:2], epochs, seed=0, net=net, lr=lr)
+    row = {"variant": name, "cells training min": round((time.perf_counter() - started) / 60, 1)}
+    for stratum, (hits, n) in named_by_stratum(net, *val_cells).items():
+        row[f"val {stratum} cells named"] = share(hits, n)
+    print(row, flush=True)
+    return row
 
 
 def parse_variant(text: str) -> tuple[str, dict]:
@@ -79,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-model", default="smollm2-135m-instruct")
     parser.add_argument("--val-images", type=int, default=500)
     parser.add_argument("--variant", action="append", default=[], help="NAME:field=value,... (repeatable)")
+    parser.add_argument("--cells", type=int, default=0, metavar="EPOCHS",
+                        help="train each tower (and a CNN) on isolated lesion cells for EPOCHS epochs instead")
     args = parser.parse_args(argv)
     shipped = VisionRecipe()
     try:
@@ -94,11 +151,20 @@ def main(argv: list[str] | None = None) -> int:
     val = render_pool(builder, "val", args.val_images, shipped.threads)
     readout_pool = RenderedPool(train.images[:READOUT_IMAGES], train.lesions[:READOUT_IMAGES])
     rows = []
+    if args.cells:
+        from benchmarks.bench_vision_input import cells
+        from tasks.imaging.world import INPUT_SIZE
+        train_cells, val_cells = cells(train, INPUT_SIZE), cells(val, INPUT_SIZE)
+        rows.append(on_cells("cnn (bench_vision_input)", None, 2e-3, train_cells, val_cells, args.cells))
     for name, fields, recipe in variants:
         model, tokenizer = wrap_language_model(text_dir, recipe)
         with tempfile.TemporaryDirectory() as tmp:  # the policy's processor for this variant's patch grid
             save_processor(tokenizer, Path(tmp), recipe.patch_size, recipe.merge_size)
             image_processor = AutoProcessor.from_pretrained(tmp).image_processor
+        if args.cells:
+            tower = cell_tower(model.model.visual, image_processor)
+            rows.append(on_cells(name, tower, recipe.pretrain_lr, train_cells, val_cells, args.cells))
+            continue
         pool = RenderedPool(train.images[:recipe.pretrain_images], train.lesions[:recipe.pretrain_images])
         started = time.perf_counter()
         with tqdm(total=recipe.pretrain_steps, desc=name, unit="step", mininterval=10) as progress:

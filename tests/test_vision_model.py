@@ -42,6 +42,27 @@ def test_the_tower_benchmark_scores_a_lesion_among_its_modality_s_findings_alone
     assert among_modality(logits, torch.tensor([chest, bone])).tolist() == [chest, bone]
 
 
+@pytest.mark.parametrize("patch,merge", [(14, 2), (7, 4)])
+def test_a_cell_cut_out_reaches_the_tower_as_its_patches_in_the_whole_image(patch, merge):
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import Qwen2VLImageProcessor
+    from benchmarks.bench_vision_tower import cell_patches
+    from tasks.chat_format import IMAGE_PIXELS
+
+    processor = Qwen2VLImageProcessor(size={"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS},
+                                      patch_size=patch, merge_size=merge)
+    image = np.random.default_rng(0).integers(0, 256, (84, 84, 3), dtype=np.uint8)
+    whole = processor(images=[Image.fromarray(image)], return_tensors="pt")["pixel_values"]
+    per_cell = merge * merge
+    for row, col in [(0, 0), (1, 2), (2, 1)]:
+        crop = torch.tensor(image[28 * row:28 * row + 28, 28 * col:28 * col + 28] / 255.0, dtype=torch.float32)
+        patches = cell_patches(crop.permute(2, 0, 1)[None], processor, merge)
+        k = 3 * row + col  # merged groups come in raster order, each group's patches together
+        assert torch.allclose(patches, whole[k * per_cell:(k + 1) * per_cell], atol=1e-5)
+
+
 def register_tiny_vision(monkeypatch, tmp_path, base_dir):
     """The alias `tiny-vision`: a TINY build on top of `base_dir` as the text alias, built under `tmp_path`."""
     monkeypatch.setitem(model_aliases.ALIASES, "tiny-vision",
