@@ -14,7 +14,8 @@ With --cells EPOCHS, each variant's random tower is instead trained the way benc
 the lesion cells of the training images cut out at the policy's input size (one merged token a cell), and names the
 finding of each validation cell among its modality's findings; that CNN is trained and scored on the same cells in
 the first row: the tower's architecture against a convolution's on one task, with nothing else (the rest of the
-image, empty tokens, the read-out) in between.
+image, empty tokens, the read-out) in between. --conv-patches adds each tower with its patch embedding replaced by a
+small CNN pooled over the patch (conv_patch_embedding).
 Prints a table and writes benchmarks/results/<name>.json.
 """
 from __future__ import annotations
@@ -68,6 +69,28 @@ def cell_tower(visual, image_processor):
             return self.head(tokens)
 
     return CellTower()
+
+
+def conv_patch_embedding(patch_size: int, temporal_patch_size: int, hidden_size: int):
+    """A drop-in for Qwen2.5-VL's patch embedding (the processor's flattened patches in, one vector a patch out) that
+    convolves inside each patch and max-pools over it, where Qwen's one linear map weighs every pixel position apart:
+    what a translation-invariant patch embedding would give the tower (not a tower vLLM can serve)."""
+    import torch
+    from torch import nn
+
+    class ConvPatchEmbedding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.GELU(), nn.Conv2d(64, 128, 3, padding=1),
+                                     nn.GELU(), nn.MaxPool2d(2), nn.Conv2d(128, 256, 3, padding=1), nn.GELU(),
+                                     nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(256, hidden_size))
+
+        def forward(self, patches: torch.Tensor) -> torch.Tensor:
+            # the processor repeats an image over its time steps: one is the image
+            frames = patches.view(-1, 3, temporal_patch_size, patch_size, patch_size)
+            return self.net(frames[:, :, 0])
+
+    return ConvPatchEmbedding()
 
 
 def on_cells(name: str, net, lr: float, train_cells, val_cells, epochs: int) -> dict:
@@ -136,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variant", action="append", default=[], help="NAME:field=value,... (repeatable)")
     parser.add_argument("--cells", type=int, default=0, metavar="EPOCHS",
                         help="train each tower (and a CNN) on isolated lesion cells for EPOCHS epochs instead")
+    parser.add_argument("--conv-patches", action="store_true",
+                        help="with --cells: each tower again with a convolutional patch embedding")
     args = parser.parse_args(argv)
     shipped = VisionRecipe()
     try:
@@ -164,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.cells:
             tower = cell_tower(model.model.visual, image_processor)
             rows.append(on_cells(name, tower, recipe.pretrain_lr, train_cells, val_cells, args.cells))
+            if args.conv_patches:
+                model, _ = wrap_language_model(text_dir, recipe)
+                vision = model.config.vision_config
+                model.model.visual.patch_embed = conv_patch_embedding(vision.patch_size, vision.temporal_patch_size,
+                                                                      vision.hidden_size)
+                tower = cell_tower(model.model.visual, image_processor)
+                rows.append(on_cells(f"{name}, convolutional patch embedding", tower, recipe.pretrain_lr,
+                                     train_cells, val_cells, args.cells))
             continue
         pool = RenderedPool(train.images[:recipe.pretrain_images], train.lesions[:recipe.pretrain_images])
         started = time.perf_counter()

@@ -63,6 +63,24 @@ def test_a_cell_cut_out_reaches_the_tower_as_its_patches_in_the_whole_image(patc
         assert torch.allclose(patches, whole[k * per_cell:(k + 1) * per_cell], atol=1e-5)
 
 
+def test_a_tower_with_convolutional_patches_names_cells_as_the_linear_one_does():
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2VLImageProcessor
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+    from benchmarks.bench_vision_tower import cell_tower, conv_patch_embedding
+
+    config = Qwen2_5_VLConfig(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                                 out_hidden_size=16, patch_size=14, spatial_merge_size=2)).vision_config
+    visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config)
+    crops = torch.rand(3, 3, 28, 28) - 0.5
+    linear = cell_tower(visual, Qwen2VLImageProcessor())(crops)
+    visual.patch_embed = conv_patch_embedding(14, 2, 32)
+    conv = cell_tower(visual, Qwen2VLImageProcessor())(crops)
+    assert linear.shape == conv.shape == (3, len(FINDINGS))
+    conv.sum().backward()  # the stem learns with the tower
+    assert visual.patch_embed.net[0].weight.grad.abs().sum() > 0
+
+
 def register_tiny_vision(monkeypatch, tmp_path, base_dir):
     """The alias `tiny-vision`: a TINY build on top of `base_dir` as the text alias, built under `tmp_path`."""
     monkeypatch.setitem(model_aliases.ALIASES, "tiny-vision",
