@@ -14,8 +14,8 @@ With --cells EPOCHS, each variant's random tower is instead trained the way benc
 the lesion cells of the training images cut out at the policy's input size (one merged token a cell), and names the
 finding of each validation cell among its modality's findings; that CNN is trained and scored on the same cells in
 the first row: the tower's architecture against a convolution's on one task, with nothing else (the rest of the
-image, empty tokens, the read-out) in between. --conv-patches adds each tower with its patch embedding replaced by a
-small CNN pooled over the patch (conv_patch_embedding).
+image, empty tokens, the read-out) in between. --conv-patches adds, after each variant, its tower with the patch
+embedding replaced by a small CNN pooled over the patch (conv_patch_embedding), in either mode.
 Prints a table and writes benchmarks/results/<name>.json.
 """
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", type=int, default=0, metavar="EPOCHS",
                         help="train each tower (and a CNN) on isolated lesion cells for EPOCHS epochs instead")
     parser.add_argument("--conv-patches", action="store_true",
-                        help="with --cells: each tower again with a convolutional patch embedding")
+                        help="each variant's tower again with a convolutional patch embedding")
     args = parser.parse_args(argv)
     shipped = VisionRecipe()
     try:
@@ -181,22 +181,21 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.imaging.world import INPUT_SIZE
         train_cells, val_cells = cells(train, INPUT_SIZE), cells(val, INPUT_SIZE)
         rows.append(on_cells("cnn (bench_vision_input)", None, 2e-3, train_cells, val_cells, args.cells))
-    for name, fields, recipe in variants:
+    towers = [(name, fields, recipe, conv) for name, fields, recipe in variants
+              for conv in ((False, True) if args.conv_patches else (False,))]
+    for name, fields, recipe, conv in towers:
         model, tokenizer = wrap_language_model(text_dir, recipe)
+        if conv:
+            name = f"{name}, convolutional patch embedding"
+            vision = model.config.vision_config
+            model.model.visual.patch_embed = conv_patch_embedding(vision.patch_size, vision.temporal_patch_size,
+                                                                  vision.hidden_size)
         with tempfile.TemporaryDirectory() as tmp:  # the policy's processor for this variant's patch grid
             save_processor(tokenizer, Path(tmp), recipe.patch_size, recipe.merge_size)
             image_processor = AutoProcessor.from_pretrained(tmp).image_processor
         if args.cells:
             tower = cell_tower(model.model.visual, image_processor)
             rows.append(on_cells(name, tower, recipe.pretrain_lr, train_cells, val_cells, args.cells))
-            if args.conv_patches:
-                model, _ = wrap_language_model(text_dir, recipe)
-                vision = model.config.vision_config
-                model.model.visual.patch_embed = conv_patch_embedding(vision.patch_size, vision.temporal_patch_size,
-                                                                      vision.hidden_size)
-                tower = cell_tower(model.model.visual, image_processor)
-                rows.append(on_cells(f"{name}, convolutional patch embedding", tower, recipe.pretrain_lr,
-                                     train_cells, val_cells, args.cells))
             continue
         pool = RenderedPool(train.images[:recipe.pretrain_images], train.lesions[:recipe.pretrain_images])
         started = time.perf_counter()
