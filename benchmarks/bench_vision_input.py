@@ -69,7 +69,7 @@ def fit(x, y, epochs: int, seed: int, net=None, lr: float = 2e-3):
     import torch
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    net = net or cnn(len(FINDINGS))
+    net = cnn(len(FINDINGS)) if net is None else net
     optimizer = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.01)
     steps = epochs * ((len(y) + 63) // 64)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps)

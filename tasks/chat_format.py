@@ -25,15 +25,21 @@ CHAT_TEMPLATE = (
 IMAGE_PIXELS = INPUT_SIZE * INPUT_SIZE
 
 
+def image_processor(patch_size: int = 14, merge_size: int = 2):
+    """Qwen2.5-VL's image processor for a tower of `patch_size` and `merge_size`, every image at INPUT_SIZE^2 pixels."""
+    from transformers import Qwen2VLImageProcessor
+    return Qwen2VLImageProcessor(size={"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS},
+                                 patch_size=patch_size, merge_size=merge_size)
+
+
 def save_processor(tokenizer, out_dir: Path, patch_size: int = 14, merge_size: int = 2) -> None:
     """Qwen2.5-VL's processor (image + video processors, the project tokenizer, its chat template), so vLLM and
     `AutoProcessor` turn images into `<|image_pad|>` runs and pixel patches as the real model's would; `patch_size`
     and `merge_size` are the vision tower's (a merged token covers patch_size x merge_size pixels a side)."""
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLImageProcessor, Qwen2VLVideoProcessor
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLVideoProcessor
     size = {"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS}
-    grid = {"patch_size": patch_size, "merge_size": merge_size}
-    Qwen2_5_VLProcessor(image_processor=Qwen2VLImageProcessor(size=size, **grid), tokenizer=tokenizer,
-                        video_processor=Qwen2VLVideoProcessor(size=size, **grid),
+    Qwen2_5_VLProcessor(image_processor=image_processor(patch_size, merge_size), tokenizer=tokenizer,
+                        video_processor=Qwen2VLVideoProcessor(size=size, patch_size=patch_size, merge_size=merge_size),
                         chat_template=CHAT_TEMPLATE).save_pretrained(out_dir)
 
 

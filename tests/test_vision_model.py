@@ -47,12 +47,10 @@ def test_a_cell_cut_out_reaches_the_tower_as_its_patches_in_the_whole_image(patc
     import numpy as np
     import torch
     from PIL import Image
-    from transformers import Qwen2VLImageProcessor
     from benchmarks.bench_vision_tower import cell_patches
-    from tasks.chat_format import IMAGE_PIXELS
+    from tasks.chat_format import image_processor
 
-    processor = Qwen2VLImageProcessor(size={"shortest_edge": IMAGE_PIXELS, "longest_edge": IMAGE_PIXELS},
-                                      patch_size=patch, merge_size=merge)
+    processor = image_processor(patch, merge)
     image = np.random.default_rng(0).integers(0, 256, (84, 84, 3), dtype=np.uint8)
     whole = processor(images=[Image.fromarray(image)], return_tensors="pt")["pixel_values"]
     per_cell = merge * merge
@@ -63,7 +61,7 @@ def test_a_cell_cut_out_reaches_the_tower_as_its_patches_in_the_whole_image(patc
         assert torch.allclose(patches, whole[k * per_cell:(k + 1) * per_cell], atol=1e-5)
 
 
-def test_a_tower_with_convolutional_patches_names_cells_as_the_linear_one_does():
+def test_a_tower_with_convolutional_patches_takes_cells_as_the_linear_one_and_learns_its_stem():
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2VLImageProcessor
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
