@@ -9,7 +9,7 @@ from typing import Callable
 import ray
 import torch
 
-from cluster.devices import allocator_env
+from cluster.devices import learner_env
 from cluster.ray_session import ACTOR_LOST, wait_until_ready
 from learners.learner_step import LearnerStep
 from learners.learner_worker import LearnerWorker
@@ -63,9 +63,9 @@ class LearnerGroup:
     def __init__(self, cfg, placement, model_path: str, resume_from=None, resume_source: str | None = None):
         res = cfg.cluster.learner
         self.cfg = cfg
-        allocator = {"runtime_env": {"env_vars": env}} if (env := allocator_env(cfg.learner.keep_freed_memory)) else {}
+        env = {"runtime_env": {"env_vars": learner_env(cfg.learner.keep_freed_memory)}}
         self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}"),
-                                            **allocator).remote(i, res.num, res.threads) for i in range(res.num)]
+                                            **env).remote(i, res.num, res.threads) for i in range(res.num)]
         master = self._all([self.ranks[0].address.remote()], "start", [0])[0]
         stages = [(stage, cfg.for_stage(i)) for i, stage in enumerate(cfg.stage_plan())]
         total_updates = sum(stage.steps * optimizer_steps_per_batch(stage_cfg) if stage.kind == "grpo" else stage.steps

@@ -90,3 +90,43 @@ def test_an_actor_started_with_the_allocator_env_keeps_freed_pages_until_release
         process_state.options(runtime_env={"env_vars": allocator_env(keep_freed=False)}).remote())
     assert jemalloc and kept < 0.05
     assert ray_session.get(process_state.remote())[0] is False  # other actors keep glibc's allocator
+
+
+def test_a_learner_rank_does_not_grow_with_each_new_micro_batch_length(ray_session):
+    """Packed micro-batches have a length of their own; under bfloat16 autocast each new one compiles oneDNN kernels
+    that a process caches. A learner rank's environment bounds those caches, so its live memory stops growing with
+    the lengths it has seen (jemalloc's count of allocated bytes), where a process with the default caches keeps
+    growing."""
+    from cluster.devices import allocator_env, learner_env
+
+    if not allocator_env():
+        pytest.skip("jemalloc (ray/core/libjemalloc.so) is what counts the live bytes")
+
+    @ray_session.remote(num_cpus=0)
+    def growth_mb(lengths: int) -> float:
+        import ctypes
+
+        import torch
+
+        def allocated_mb() -> float:
+            mallctl = ctypes.CDLL(None).mallctl
+            mallctl(b"epoch", None, None, ctypes.byref(ctypes.c_uint64(1)), ctypes.c_size_t(8))
+            value, size = ctypes.c_size_t(0), ctypes.c_size_t(8)
+            mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0))
+            return value.value / 2**20
+
+        torch.set_num_threads(1)
+        layer = torch.nn.Linear(256, 512)
+
+        def step(n: int) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                layer(torch.randn(n, 256, requires_grad=True)).float().sum().backward()
+        step(100)
+        before = allocated_mb()
+        for n in range(101, 101 + lengths):
+            step(n)
+        return allocated_mb() - before
+
+    bounded = ray_session.get(growth_mb.options(runtime_env={"env_vars": learner_env()}).remote(200))
+    default = ray_session.get(growth_mb.options(runtime_env={"env_vars": allocator_env()}).remote(200))
+    assert bounded < 80 and default > 3 * bounded, (bounded, default)
