@@ -50,18 +50,15 @@ def allocator_env(keep_freed: bool = True) -> dict[str, str]:
             "MALLOC_CONF": f"dirty_decay_ms:{decay},muzzy_decay_ms:{decay}"}
 
 
-#: entries oneDNN's and ideep's kernel caches keep in a learner rank (1,024 each by default)
-KERNEL_CACHE_ENTRIES = 64
-
-
-def learner_env(keep_freed: bool = True) -> dict[str, str]:
+def learner_env(keep_freed: bool = True, kernel_cache_entries: int = 64) -> dict[str, str]:
     """Environment for a learner rank's process (an actor's runtime_env): :func:`allocator_env`'s, and oneDNN's and
-    ideep's caches of compiled CPU kernels held to KERNEL_CACHE_ENTRIES each."""
+    ideep's caches of compiled CPU kernels held to `kernel_cache_entries` each (0: the libraries' 1,024)."""
     # A packed micro-batch has a length of its own, and under bfloat16 autocast each new length adds its matmul
     # kernels (with their buffers) to both caches: a rank's memory grew every step until 1,024 were cached. 64 still
     # hold one micro-batch's shapes, which all its layers reuse.
-    return {**allocator_env(keep_freed), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(KERNEL_CACHE_ENTRIES),
-            "LRU_CACHE_CAPACITY": str(KERNEL_CACHE_ENTRIES)}
+    caches = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(kernel_cache_entries),
+              "LRU_CACHE_CAPACITY": str(kernel_cache_entries)} if kernel_cache_entries else {}
+    return {**allocator_env(keep_freed), **caches}
 
 
 def release_freed_memory() -> None:

@@ -63,7 +63,8 @@ class LearnerGroup:
     def __init__(self, cfg, placement, model_path: str, resume_from=None, resume_source: str | None = None):
         res = cfg.cluster.learner
         self.cfg = cfg
-        env = {"runtime_env": {"env_vars": learner_env(cfg.learner.keep_freed_memory)}}
+        env = {"runtime_env": {"env_vars": learner_env(cfg.learner.keep_freed_memory,
+                                                       cfg.learner.kernel_cache_entries)}}
         self.ranks = [LearnerWorker.options(**placement.options("learner", i, f"LearnerWorker-{i}"),
                                             **env).remote(i, res.num, res.threads) for i in range(res.num)]
         master = self._all([self.ranks[0].address.remote()], "start", [0])[0]
