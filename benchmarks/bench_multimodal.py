@@ -22,13 +22,14 @@ def hf_generate(model_path: str, tasks: list[dict], group: int, new_tokens: int,
     """Seconds for one batched sampling `generate` over every (task, sample), images through the processor."""
     import torch
     from PIL import Image
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoProcessor
 
+    from learners.batches import load_causal_lm
     from tasks.schema import chat_prompt_ids
     torch.set_num_threads(threads)
     processor = AutoProcessor.from_pretrained(model_path)
     processor.tokenizer.padding_side = "left"
-    model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = load_causal_lm(model_path, torch.float32).eval()
     texts, images = [], []
     for t in tasks:
         ids = chat_prompt_ids(processor.tokenizer, t["messages"], len(t["images"]))

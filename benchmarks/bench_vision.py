@@ -67,7 +67,8 @@ def share(hits, n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     import torch
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoProcessor
+    from learners.batches import load_causal_lm
     from tasks.hpo import load_hpo_snapshot
     from tasks.imaging import ImagingTaskBuilder
     from tasks.model_aliases import resolve_model
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     path = resolve_model(args.model)
     processor = AutoProcessor.from_pretrained(path)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    model = load_causal_lm(path, torch.float32).eval()
     train = render_pool(ImagingTaskBuilder(load_hpo_snapshot(), seed=0), "train", args.train_images, args.threads)
     held_out, questions = held_out_pool(args.limit)
     readout = fit_readout(*token_features(model.model.visual, processor.image_processor, train)[:2])

@@ -15,7 +15,8 @@ the lesion cells of the training images cut out at the policy's input size (one 
 finding of each validation cell among its modality's findings; that CNN is trained and scored on the same cells in
 the first row: the tower's architecture against a convolution's on one task, with nothing else (the rest of the
 image, empty tokens, the read-out) in between. --conv-patches adds, after each variant, its tower with the patch
-embedding replaced by a small CNN pooled over the patch (conv_patch_embedding), in either mode.
+embedding a small CNN pooled over the patch (the recipe's `patch_embedding=conv`, tasks/vision_arch.py), in either
+mode.
 Prints a table and writes benchmarks/results/<name>.json.
 """
 from __future__ import annotations
@@ -69,28 +70,6 @@ def cell_tower(visual, image_processor):
             return self.head(tokens)
 
     return CellTower()
-
-
-def conv_patch_embedding(patch_size: int, temporal_patch_size: int, hidden_size: int):
-    """A drop-in for Qwen2.5-VL's patch embedding (the processor's flattened patches in, one vector a patch out) that
-    convolves inside each patch and max-pools over it, where Qwen's one linear map weighs every pixel position apart:
-    what a translation-invariant patch embedding would give the tower (not a tower vLLM can serve)."""
-    import torch
-    from torch import nn
-
-    class ConvPatchEmbedding(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.GELU(), nn.Conv2d(64, 128, 3, padding=1),
-                                     nn.GELU(), nn.MaxPool2d(2), nn.Conv2d(128, 256, 3, padding=1), nn.GELU(),
-                                     nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(256, hidden_size))
-
-        def forward(self, patches: torch.Tensor) -> torch.Tensor:
-            # the processor repeats an image over its time steps: one is the image
-            frames = patches.view(-1, 3, temporal_patch_size, patch_size, patch_size)
-            return self.net(frames[:, :, 0])
-
-    return ConvPatchEmbedding()
 
 
 def on_cells(name: str, net, lr: float, train_cells, val_cells, epochs: int) -> dict:
@@ -181,15 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         from tasks.imaging.world import INPUT_SIZE
         train_cells, val_cells = cells(train, INPUT_SIZE), cells(val, INPUT_SIZE)
         rows.append(on_cells("cnn (bench_vision_input)", None, 2e-3, train_cells, val_cells, args.cells))
-    towers = [(name, fields, recipe, conv) for name, fields, recipe in variants
-              for conv in ((False, True) if args.conv_patches else (False,))]
-    for name, fields, recipe, conv in towers:
+    towers = variants
+    if args.conv_patches:  # each variant again, right after it, with a convolutional patch embedding
+        towers = [tower for name, fields, recipe in variants
+                  for tower in ((name, fields, recipe), (f"{name}, convolutional patch embedding", fields,
+                                                         dataclasses.replace(recipe, patch_embedding="conv")))]
+    for name, fields, recipe in towers:
         model, tokenizer = wrap_language_model(text_dir, recipe)
-        if conv:
-            name = f"{name}, convolutional patch embedding"
-            vision = model.config.vision_config
-            model.model.visual.patch_embed = conv_patch_embedding(vision.patch_size, vision.temporal_patch_size,
-                                                                  vision.hidden_size)
         with tempfile.TemporaryDirectory() as tmp:  # the policy's processor for this variant's patch grid
             save_processor(tokenizer, Path(tmp), recipe.patch_size, recipe.merge_size)
             image_processor = AutoProcessor.from_pretrained(tmp).image_processor

@@ -19,12 +19,14 @@ LOGIT_CHUNK = 512
 
 
 def load_causal_lm(path: str, dtype: torch.dtype):
-    """Load a Hugging Face policy from a local directory: text or image-text architecture, by its config. Text
-    models attend over packed sequences (learners/attention.py)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    """Load a Hugging Face policy from a local directory: text or image-text architecture (medray's where the
+    config names one, tasks/vision_arch.py), by its config. Text models attend over packed sequences
+    (learners/attention.py)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "vision_config"):
-        return AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        from tasks.vision_arch_hf import image_text_class
+        return image_text_class(config).from_pretrained(path, dtype=dtype, use_safetensors=True)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)  # never unpickle weights
     use_varlen_attention(model)
     return model

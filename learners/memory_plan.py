@@ -58,9 +58,12 @@ def model_size(cfg: RunConfig) -> tuple[int, str, object | None]:
 def meta_model(config):
     """The model of a transformers `config` on the meta device: shapes, no weights."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoModelForCausalLM
 
-    cls = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    cls = AutoModelForCausalLM
+    if hasattr(config, "vision_config"):
+        from tasks.vision_arch_hf import image_text_class
+        cls = image_text_class(config)
     with torch.device("meta"):
         return cls.from_config(config)
 

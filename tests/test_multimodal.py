@@ -13,6 +13,7 @@ from actors.image_tokens import ImageTokens
 from tasks.tiny_models import TinyModelConfig
 
 VL = TinyModelConfig(arch="qwen2_5_vl")
+CONV = TinyModelConfig(arch="qwen2_5_vl", patch_embedding="conv")  # medray's architecture (tasks/vision_arch.py)
 CROP = (0, 0, 60, 40)  # x0, y0, x1, y1 in the task image's full resolution
 
 
@@ -20,6 +21,12 @@ CROP = (0, 0, 60, 40)  # x0, y0, x1, y1 in the task image's full resolution
 def vl_model_path():
     from tasks.tiny_models import ensure_tiny_model
     return ensure_tiny_model(VL)
+
+
+@pytest.fixture(scope="module")
+def conv_model_path():
+    from tasks.tiny_models import ensure_tiny_model
+    return ensure_tiny_model(CONV)
 
 
 @pytest.fixture(scope="module")
@@ -84,23 +91,28 @@ def test_tiny_vl_build_is_deterministic(vl_model_path, tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_image_rollouts_train_and_stay_faithful_to_the_learner(ray_session, vl_model_path, vision, imaging_tasks):
+@pytest.mark.parametrize("patch_embedding", ["linear", "conv"])
+def test_image_rollouts_train_and_stay_faithful_to_the_learner(ray_session, vision, imaging_tasks, patch_embedding):
     """A RolloutWorker samples from prompts with images; GRPO trains the VL policy on them; after the sync the
-    engine's log-probabilities of the image sequences equal the learner's forward (1e-4), and before it they don't."""
+    engine's log-probabilities of the image sequences equal the learner's forward (1e-4), and before it they don't.
+    With either patch embedding: a convolutional one (medray's architecture) is trained and synced as the rest."""
     import ray
 
     from actors.rollout_worker import RolloutWorker
     from cluster.placement import place
     from learners.config import load_config
     from learners.learner_group import LearnerGroup
+    from tasks.tiny_models import ensure_tiny_model
 
     cfg = load_config("configs/tiny.yaml", ["output_dir=unused", "model.tiny.arch=qwen2_5_vl",
+                                                   f"model.tiny.patch_embedding={patch_embedding}",
                                                    "rollout.prompts_per_step=2", "rollout.group_size=2",
                                                    "learner.micro_batch_size=2", "learner.lr=0.01"])
+    model_path = str(ensure_tiny_model(cfg.model.tiny))
     placement = place(cfg.cluster)
     worker = RolloutWorker.options(**placement.options("rollout", 0, "RolloutWorker-multimodal")).remote(
-        str(vl_model_path), seed=0, threads=1)
-    learners = LearnerGroup(cfg, placement, str(vl_model_path))
+        model_path, seed=0, threads=1)
+    learners = LearnerGroup(cfg, placement, model_path)
     try:
         trajs, summary = ray.get(worker.rollout.remote(imaging_tasks, [0, 1], 2, {"max_tokens": 8,
                                                                                   "temperature": 1.0}, 0))
@@ -130,6 +142,139 @@ def test_image_rollouts_train_and_stay_faithful_to_the_learner(ray_session, vl_m
         placement.remove()
 
 
+def in_process_llm(model_path, images: int = 4):
+    """A float32 vLLM engine on `model_path` in this process (no engine-core process), up to `images` a prompt."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+    return LLM(model=str(model_path), dtype="float32", seed=0, max_model_len=1024, enforce_eager=True,
+               distributed_executor_backend="uni", enable_chunked_prefill=False, kv_cache_memory_bytes=2**28,
+               limit_mm_per_prompt={"image": images, "video": 0})
+
+
+def learner_logprobs(model, ids: list[int], images: list, vision) -> np.ndarray:
+    """log p(token_t | tokens_<t), t >= 1, of `ids` (full pad runs) with `images` under the HF `model`."""
+    import torch
+    from learners import algorithm as algo
+    from learners.batches import image_inputs
+
+    seq = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(input_ids=seq, **image_inputs(seq, images, vision)).logits[:, :-1]
+    return algo.token_logprobs(logits, seq[:, 1:])[0].numpy()
+
+
+def engine_logprobs(output, ids: list[int]) -> np.ndarray:
+    """The same from a vLLM RequestOutput of `ids`' prompt asked with prompt_logprobs=0."""
+    return np.array([lp[t].logprob for lp, t in zip(output.prompt_logprobs[1:], ids[1:])])
+
+
+def test_a_convolutional_patch_embedding_loads_into_medray_s_class_with_its_saved_weights(conv_model_path, tmp_path):
+    """config.json names medray's architecture (model_type still Qwen2.5-VL's); the learner's loader builds that class
+    and every saved tensor arrives as saved: nothing newly initialised, nothing left over. A vision_config naming an
+    unknown patch embedding is refused, naming the field and the directory."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file
+
+    from learners.batches import load_causal_lm
+    from tasks.vision_arch import ARCHITECTURE
+    from tasks.vision_arch_hf import ConvPatchEmbedding, MedrayQwen2_5_VLForConditionalGeneration
+
+    config = json.loads((conv_model_path / "config.json").read_text())
+    assert config["architectures"] == [ARCHITECTURE] and config["model_type"] == "qwen2_5_vl"
+    assert config["vision_config"]["patch_embedding"] == "conv"
+    model = load_causal_lm(str(conv_model_path), torch.float32)
+    assert isinstance(model, MedrayQwen2_5_VLForConditionalGeneration)
+    assert isinstance(model.model.visual.patch_embed, ConvPatchEmbedding)
+    saved, loaded = load_file(conv_model_path / "model.safetensors"), model.state_dict()
+    assert set(saved) == set(loaded) and "model.visual.patch_embed.net.0.weight" in saved
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in saved.items())
+
+    bad = tmp_path / "bad"
+    shutil.copytree(conv_model_path, bad)
+    config["vision_config"]["patch_embedding"] = "cnn"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"vision_config.patch_embedding 'cnn' is not a patch embedding") as refused:
+        load_causal_lm(str(bad), torch.float32)
+    assert str(bad) in str(refused.value)
+
+
+@pytest.mark.slow
+def test_the_engine_runs_the_convolutional_patch_embedding_the_learner_trains(conv_model_path, imaging_tasks):
+    """vLLM builds medray's class (the plugin registers it) with the checkpoint's conv weights: its log-probabilities
+    of an image prompt are the HF learner's (1e-4, float32). Moving the learner's conv weights alone breaks that, so
+    they matter, and reloading just those weights, named as the learner names them, restores it."""
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    from actors.engine_weights import begin_reload, finish_reload, load_weights
+    from actors.episode import engine_prompt
+    from actors.rollout_worker import task_prompt
+    from learners.batches import load_causal_lm
+
+    vision = ImageTokens.for_model(str(conv_model_path))
+    llm = in_process_llm(conv_model_path, images=1)
+    assert type(llm.llm_engine.model_config.hf_config).__name__ == "Qwen2_5_VLConfig"
+    ids, images, _ = task_prompt(imaging_tasks[0], llm.get_tokenizer(), vision)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+    model = load_causal_lm(str(conv_model_path), torch.float32).eval()
+
+    def max_diff():
+        out = llm.generate([TokensPrompt(**engine_prompt(ids, images, vision))], params, use_tqdm=False)[0]
+        return np.max(np.abs(engine_logprobs(out, ids) - learner_logprobs(model, ids, images, vision)))
+
+    assert max_diff() <= 1e-4
+    conv = [(name, p) for name, p in model.named_parameters() if ".patch_embed." in name]
+    assert conv and all(".patch_embed.net." in name or ".patch_embed.proj." in name for name, _ in conv)
+    with torch.no_grad():
+        for _, p in conv:
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)) * p.std())
+    assert max_diff() > 1e-3
+    llm.collective_rpc(begin_reload, args=(False,))  # only these weights arrive
+    assert llm.collective_rpc(load_weights, args=([(name, p.detach()) for name, p in conv],)) == [len(conv)]
+    llm.collective_rpc(finish_reload)
+    llm.reset_prefix_cache()  # what a rollout worker drops after a reload (RolloutWorker._after_reload)
+    llm.llm_engine.reset_encoder_cache()
+    assert max_diff() <= 1e-4
+
+
+@pytest.mark.slow
+def test_async_llm_s_engine_core_process_serves_the_convolutional_policy(conv_model_path, imaging_tasks):
+    """Serving's AsyncLLM builds its engine in an engine-core process of its own, which finds medray's architecture
+    through the vLLM plugin (pyproject.toml) as the process that asked did, and loads the conv weights: its
+    log-probabilities of an image prompt are the HF learner's."""
+    import asyncio
+
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from actors.episode import engine_prompt
+    from actors.rollout_worker import task_prompt
+    from learners.batches import load_causal_lm
+    from serve.config import ServeEngineSettings
+    from serve.engine import start_engine
+
+    vision = ImageTokens.for_model(str(conv_model_path))
+    settings = ServeEngineSettings(backend="async_llm", max_model_len=1024, kv_cache_gb=0.25, threads=1)
+    model = load_causal_lm(str(conv_model_path), torch.float32).eval()
+    ids, images, _ = task_prompt(imaging_tasks[0], AutoTokenizer.from_pretrained(conv_model_path), vision)
+
+    async def served():
+        engine = start_engine(str(conv_model_path), settings, device="cpu", num_cpus=1, max_images=1)
+        try:
+            params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0)
+            async for out in engine.generate(engine_prompt(ids, images, vision), params, "conv-0"):
+                pass
+            return engine_logprobs(out, ids)
+        finally:
+            engine.engine.shutdown()
+
+    assert np.max(np.abs(asyncio.run(served()) - learner_logprobs(model, ids, images, vision))) <= 1e-4
+
+
 class CropEnvironment(Environment):
     """A zoom-in: every call answers with the `box` crop of the task's image (or of `replacement`, to show that the
     policy's next turn depends on the pixels it was given)."""
@@ -151,19 +296,13 @@ class CropEnvironment(Environment):
 def test_image_observation_is_masked_and_seen_by_the_next_turn(vl_model_path, vision, imaging_tasks):
     """A tool answers with a crop: its image tokens sit inside the observation tags with mask 0, and the engine's
     log-probabilities of the policy's next turn are the HF forward's with that crop in place (not with another)."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
     from PIL import Image
-    from transformers import AutoModelForImageTextToText
-    from vllm import LLM
 
     from actors.rollout_worker import task_prompt
-    from learners import algorithm as algo
-    from learners.batches import image_inputs
+    from learners.batches import load_causal_lm
 
-    llm = LLM(model=str(vl_model_path), dtype="float32", seed=0, max_model_len=1024, enforce_eager=True,
-              distributed_executor_backend="uni", enable_chunked_prefill=False, kv_cache_memory_bytes=2**28,
-              limit_mm_per_prompt={"image": 4, "video": 0})
+    llm = in_process_llm(vl_model_path)
     tok = llm.get_tokenizer()
     close = tok.convert_tokens_to_ids("</tool_call>")
     grammar = Grammar(action_tag="tool_call", observation_tag="tool_response", max_turns=1)
@@ -185,13 +324,10 @@ def test_image_observation_is_masked_and_seen_by_the_next_turn(vl_model_path, vi
     with Image.open(imaging_tasks[0]["images"][0]) as image:
         assert np.array_equal(ep.images[1], np.asarray(image.convert("RGB").crop(CROP)))
 
-    model = AutoModelForImageTextToText.from_pretrained(vl_model_path, dtype=torch.float32).eval()
+    model = load_causal_lm(str(vl_model_path), torch.float32).eval()
 
     def hf_policy_logprobs(shown):
-        seq = torch.tensor([ep.prompt_ids + ep.response_ids])
-        with torch.no_grad():
-            logits = model(input_ids=seq, **image_inputs(seq, shown, vision)).logits[:, :-1]
-        logp = algo.token_logprobs(logits, seq[:, 1:])[0, len(ep.prompt_ids) - 1:]
+        logp = learner_logprobs(model, ep.prompt_ids + ep.response_ids, shown, vision)[len(ep.prompt_ids) - 1:]
         return np.array([lp for lp, m in zip(logp.tolist(), ep.loss_mask) if m])
 
     engine = np.array([lp for lp, m in zip(ep.logprobs, ep.loss_mask) if m])

@@ -1,5 +1,7 @@
 """The seeing policy built offline: SmolLM2's language weights in Qwen2.5-VL, a vision tower trained on the imaging
 world, a build that is whole or absent."""
+import dataclasses
+import hashlib
 import json
 import math
 
@@ -65,24 +67,40 @@ def test_a_tower_with_convolutional_patches_takes_cells_as_the_linear_one_and_le
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2VLImageProcessor
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-    from benchmarks.bench_vision_tower import cell_tower, conv_patch_embedding
+    from benchmarks.bench_vision_tower import cell_tower
+    from tasks.vision_arch_hf import ConvPatchEmbedding
 
     config = Qwen2_5_VLConfig(vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                                  out_hidden_size=16, patch_size=14, spatial_merge_size=2)).vision_config
     visual = Qwen2_5_VisionTransformerPretrainedModel._from_config(config)
     crops = torch.rand(3, 3, 28, 28) - 0.5
     linear = cell_tower(visual, Qwen2VLImageProcessor())(crops)
-    visual.patch_embed = conv_patch_embedding(14, 2, 32)
+    visual.patch_embed = ConvPatchEmbedding(config)
     conv = cell_tower(visual, Qwen2VLImageProcessor())(crops)
     assert linear.shape == conv.shape == (3, len(FINDINGS))
     conv.sum().backward()  # the stem learns with the tower
     assert visual.patch_embed.net[0].weight.grad.abs().sum() > 0
 
 
-def register_tiny_vision(monkeypatch, tmp_path, base_dir):
-    """The alias `tiny-vision`: a TINY build on top of `base_dir` as the text alias, built under `tmp_path`."""
+def test_a_recipe_names_a_patch_embedding_medray_builds_and_the_shipped_alias_keeps_its_name():
+    with pytest.raises(ValueError, match=r"VisionRecipe.patch_embedding 'cnn' is not a patch embedding medray "
+                                         r"builds: one of \['linear', 'conv'\]"):
+        VisionRecipe(patch_embedding="cnn")
+    assert "patch_embedding" not in VisionRecipe().vision_config(64)  # a linear model's config is transformers'
+    assert VisionRecipe(patch_embedding="conv").vision_config(64)["patch_embedding"] == "conv"
+    linear, conv = (model_aliases.VisionAlias(base="smollm2-135m-instruct", recipe=VisionRecipe(patch_embedding=p),
+                                              licence="test", description="test") for p in ("linear", "conv"))
+    assert linear.version != conv.version
+    # the default stays out of the digest, which is then the one of the fields before it: old builds keep their names
+    fields = dataclasses.asdict(VisionRecipe())
+    del fields["patch_embedding"]
+    assert linear.version.endswith(hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8])
+
+
+def register_tiny_vision(monkeypatch, tmp_path, base_dir, recipe=TINY):
+    """The alias `tiny-vision`: a `recipe` build on top of `base_dir` as the text alias, built under `tmp_path`."""
     monkeypatch.setitem(model_aliases.ALIASES, "tiny-vision",
-                        model_aliases.VisionAlias(base="smollm2-135m-instruct", recipe=TINY, licence="test",
+                        model_aliases.VisionAlias(base="smollm2-135m-instruct", recipe=recipe, licence="test",
                                                   description="test"))
     monkeypatch.setattr(model_aliases, "alias_dir", lambda alias: base_dir if alias == "smollm2-135m-instruct" else
                         tmp_path / "models" / alias)
@@ -122,7 +140,6 @@ def test_the_wrapped_language_model_reads_text_exactly_as_smollm2(real_model_pat
 
 @pytest.mark.slow
 def test_a_finer_patch_grid_still_gives_one_image_token_per_cell(real_model_path, tmp_path):
-    import dataclasses
     import torch
     from PIL import Image
     from transformers import AutoProcessor
@@ -148,17 +165,28 @@ def test_a_finer_patch_grid_still_gives_one_image_token_per_cell(real_model_path
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("patch_embedding", ["linear", "conv"])
 def test_a_built_seeing_policy_takes_an_image_and_records_what_the_build_measured(real_model_path, tmp_path,
-                                                                               monkeypatch):
+                                                                               monkeypatch, patch_embedding):
     import torch
     from PIL import Image
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoProcessor
+    from learners.batches import load_causal_lm
     from tasks.catalog import load_tasks
+    from tasks.vision_arch import ARCHITECTURE
 
-    register_tiny_vision(monkeypatch, tmp_path, real_model_path)
+    register_tiny_vision(monkeypatch, tmp_path, real_model_path,
+                         dataclasses.replace(TINY, patch_embedding=patch_embedding))
     built = model_aliases.ensure_alias_model("tiny-vision")
     manifest = json.loads((built / "manifest.json").read_text())
     assert manifest["source"]["alias"] == "smollm2-135m-instruct" and manifest["source"]["recipe"]["depth"] == 1
+    config = json.loads((built / "config.json").read_text())
+    assert config["model_type"] == "qwen2_5_vl"
+    if patch_embedding == "conv":  # medray's class, named where vLLM looks (tasks/vision_arch.py)
+        assert config["architectures"] == [ARCHITECTURE] and config["vision_config"]["patch_embedding"] == "conv"
+    else:  # as transformers writes it
+        assert config["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
+        assert "patch_embedding" not in config["vision_config"]
     probe = manifest["measured"]["probe"]
     assert probe["data"] == "imaging:finding_mcq_test"
     assert sum(v["n"] for k, v in probe.items() if k != "data") == TINY.probe_questions
@@ -169,7 +197,8 @@ def test_a_built_seeing_policy_takes_an_image_and_records_what_the_build_measure
 
     task = load_tasks("imaging:finding_mcq_test")[0]
     processor = AutoProcessor.from_pretrained(built)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(built, dtype=torch.float32).eval()
+    model = load_causal_lm(str(built), torch.float32).eval()
+    assert type(model).__name__ == config["architectures"][0]
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is shown?"}]}]
     with Image.open(task["images"][0]) as image:
         inputs = processor(text=[processor.apply_chat_template(messages, add_generation_prompt=True)],
