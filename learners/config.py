@@ -140,9 +140,9 @@ class LearnerConfig(Strict):
                           "then exceeds what is alive at once); false returns them at once and rank 0 keeps no "
                           "weight-sync buffers between syncs: the lowest peak, each page faulted in again")
     kernel_cache_entries: int = Field(
-        64, ge=0, description="CPU ranks: compiled matmul kernels oneDNN and ideep each keep (0: their default, 1,024). "
-                              "Each new micro-batch length compiles its own, so a large cache grows a rank with every "
-                              "length it has seen")
+        64, ge=0, description="CPU ranks: compiled matmul kernels oneDNN and ideep each keep (0: their default, "
+                              "1,024). Each new micro-batch length compiles its own, so a large cache grows a rank "
+                              "with every length it has seen")
     compute_dtype: Literal["float32", "bfloat16", "auto"] = Field(
         "float32", description="dtype of the learner's forward and backward (torch.autocast); weights, gradients and "
                                "optimizer state stay in model.dtype. bfloat16 pays off on GPUs and on CPUs with "
