@@ -35,16 +35,10 @@ def batch(rng: random.Random, step: int) -> list:
 
 def live_gb(worker) -> float:
     """jemalloc's allocated bytes (live, not freed pages) in the process of a learner rank, in GB."""
-    import ctypes
-
-    def allocated(_) -> float:
-        mallctl = ctypes.CDLL(None).mallctl
-        mallctl(b"epoch", None, None, ctypes.byref(ctypes.c_uint64(1)), ctypes.c_size_t(8))
-        value, size = ctypes.c_size_t(0), ctypes.c_size_t(8)
-        mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0))
-        return value.value / 1e9
     import ray
-    return ray.get(worker.__ray_call__.remote(allocated))
+
+    from cluster.devices import allocated_gb
+    return ray.get(worker.__ray_call__.remote(lambda _: allocated_gb()))
 
 
 def arm(entries: int, steps: int) -> list[dict]:

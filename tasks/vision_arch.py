@@ -44,6 +44,14 @@ def vision_config_entry(kind: str) -> dict:
     return {} if kind == "linear" else {"patch_embedding": kind}
 
 
+def recorded(fields: dict) -> dict:
+    """A build's `fields` (a recipe or tiny config, `patch_embedding` among them) as its cache key records them: the
+    patch embedding as a vision_config names it, so builds with Qwen's linear one keep the keys they had before the
+    field."""
+    rest = {k: v for k, v in fields.items() if k != "patch_embedding"}
+    return {**rest, **vision_config_entry(fields["patch_embedding"])}
+
+
 def register_vllm() -> None:
     """The vLLM plugin: ARCHITECTURE names tasks/vision_arch_vllm.py's class, imported only by an engine whose model
     names it (vLLM's lazy registration)."""

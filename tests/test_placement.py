@@ -104,16 +104,12 @@ def test_a_learner_rank_does_not_grow_with_each_new_micro_batch_length(ray_sessi
 
     @ray_session.remote(num_cpus=0)
     def growth_mb(lengths: int) -> float:
-        import ctypes
-
         import torch
 
+        from cluster.devices import allocated_gb
+
         def allocated_mb() -> float:
-            mallctl = ctypes.CDLL(None).mallctl
-            mallctl(b"epoch", None, None, ctypes.byref(ctypes.c_uint64(1)), ctypes.c_size_t(8))
-            value, size = ctypes.c_size_t(0), ctypes.c_size_t(8)
-            mallctl(b"stats.allocated", ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0))
-            return value.value / 2**20
+            return allocated_gb() * 1e9 / 2**20
 
         torch.set_num_threads(1)
         layer = torch.nn.Linear(256, 512)
