@@ -6,7 +6,7 @@
     medray serve [serve.app:app | configs/serve.yaml] [checkpoint=... key=value ...]
     medray build-index --kb hpo --out outputs/hpo_index
     medray expert --config configs/quickstart.yaml --data hpo:mcq_train --out outputs/demos.jsonl
-    medray build-model smollm2-135m-instruct | smollm2-135m-vision
+    medray build-model smollm2-135m-instruct | smollm2-135m-vision [field=value ...]
     medray traces outputs/quickstart [--out page.html]
 
 Each command runs a module of this repository with the arguments it is given (`medray <command> --help` lists them);

@@ -13,12 +13,13 @@ manifest adds the base's manifest digest, the recipe and what the build measured
 plain local directory and passes through unchanged.
 
     python -m tasks.model_aliases smollm2-135m-instruct   # build (once) and print the directory
+    python -m tasks.model_aliases smollm2-135m-vision patch_embedding=conv pretrain_steps=1000   # a recipe variant
 """
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from hashlib import sha256
 from importlib import util
 from pathlib import Path
@@ -103,23 +104,40 @@ def gguf_path(spec: GGUFWheelModel) -> Path:
     return path
 
 
-def alias_dir(alias: str) -> Path:
+def alias_spec(alias: str, recipe_fields: dict | None = None):
+    """The spec of `alias`; `recipe_fields` change a vision alias's recipe: a variant, built and cached apart (its
+    version digests the recipe). An unknown alias is a KeyError; a field no recipe has, or fields given for an alias
+    built from a wheel, a ValueError naming them."""
+    if alias not in ALIASES:
+        raise KeyError(f"unknown model alias {alias!r}; known: {sorted(ALIASES)}")
     spec = ALIASES[alias]
+    if not recipe_fields:
+        return spec
+    if not isinstance(spec, VisionAlias):
+        raise ValueError(f"{alias} is converted from a wheel and has no recipe to change ({sorted(recipe_fields)})")
+    unknown = sorted(set(recipe_fields) - {f.name for f in fields(vision_model.VisionRecipe)})
+    if unknown:
+        raise ValueError(f"{alias}: no recipe field {unknown}; VisionRecipe has "
+                         f"{[f.name for f in fields(vision_model.VisionRecipe)]}")
+    return replace(spec, recipe=replace(spec.recipe, **recipe_fields))
+
+
+def alias_dir(alias: str, recipe_fields: dict | None = None) -> Path:
+    spec = alias_spec(alias, recipe_fields)
     return cache_dir() / "models" / f"{alias}-{spec.version}-b{BUILD_VERSION}"
 
 
-def ensure_alias_model(alias: str) -> Path:
-    """Build (once) and return the Hugging Face directory of `alias`; a finished build is reused as it is."""
-    if alias not in ALIASES:
-        raise KeyError(f"unknown model alias {alias!r}; known: {sorted(ALIASES)}")
-    out = alias_dir(alias)
+def ensure_alias_model(alias: str, recipe_fields: dict | None = None) -> Path:
+    """Build (once) and return the Hugging Face directory of `alias` (with `recipe_fields`: of that variant,
+    alias_spec); a finished build is reused as it is."""
+    spec = alias_spec(alias, recipe_fields)
+    out = alias_dir(alias, recipe_fields)
     if (out / "manifest.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(out.parent / f".{out.name}.lock"):
         if (out / "manifest.json").is_file():  # another process built it while this one waited
             return out
-        spec = ALIASES[alias]
         if isinstance(spec, VisionAlias):
             base = ensure_alias_model(spec.base)
             source = {"alias": spec.base, "manifest_sha256": sha256_file(base / "manifest.json"),
@@ -162,14 +180,32 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def recipe_fields(pairs: list[str]) -> dict:
+    """`field=value` pairs as a dict, each value read as the type of VisionRecipe's default for the field."""
+    bad = [p for p in pairs if "=" not in p]
+    if bad:
+        raise ValueError(f"recipe fields are field=value, not {bad}")
+    defaults, out = vision_model.VisionRecipe(), {}
+    for key, value in (p.split("=", 1) for p in pairs):
+        kind = type(getattr(defaults, key, value))
+        try:
+            out[key] = kind(value)
+        except ValueError:
+            raise ValueError(f"recipe field {key}: {value!r} is not a {kind.__name__}") from None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     parser = argparse.ArgumentParser(prog="python -m tasks.model_aliases", description=__doc__.split("\n\n")[0])
     parser.add_argument("alias", choices=sorted(ALIASES))
+    parser.add_argument("recipe", nargs="*", metavar="field=value",
+                        help="a vision alias's recipe fields changed (tasks/vision_model.VisionRecipe): a variant, "
+                             "built into its own directory (model.path takes the printed one)")
     args = parser.parse_args(argv)
     try:
-        print(ensure_alias_model(args.alias))
-    except ModelSourceError as e:
+        print(ensure_alias_model(args.alias, recipe_fields(args.recipe)))
+    except (ModelSourceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

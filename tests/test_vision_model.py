@@ -97,6 +97,20 @@ def test_a_recipe_names_a_patch_embedding_medray_builds_and_the_shipped_alias_ke
     assert linear.version.endswith(hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8])
 
 
+def test_build_model_takes_recipe_fields_as_a_variant_built_apart_and_refuses_fields_no_recipe_has(capsys):
+    shipped = model_aliases.alias_dir("smollm2-135m-vision")
+    variant = model_aliases.alias_dir("smollm2-135m-vision",
+                                      model_aliases.recipe_fields(["patch_embedding=conv", "pretrain_lr=6e-4"]))
+    assert variant != shipped and variant.name.startswith("smollm2-135m-vision-")
+    assert model_aliases.alias_spec("smollm2-135m-vision", {"pretrain_steps": 10}).recipe.pretrain_steps == 10
+    for argv, message in [(["smollm2-135m-vision", "pretrain_steps=many"], "pretrain_steps: 'many' is not a int"),
+                          (["smollm2-135m-vision", "towers=2"], "no recipe field ['towers']"),
+                          (["smollm2-135m-vision", "patch_embedding=cnn"], "VisionRecipe.patch_embedding 'cnn'"),
+                          (["smollm2-135m-instruct", "depth=2"], "has no recipe to change")]:
+        assert model_aliases.main(argv) == 2  # refused before anything is built
+        assert message in capsys.readouterr().err
+
+
 def register_tiny_vision(monkeypatch, tmp_path, base_dir, recipe=TINY):
     """The alias `tiny-vision`: a `recipe` build on top of `base_dir` as the text alias, built under `tmp_path`."""
     monkeypatch.setitem(model_aliases.ALIASES, "tiny-vision",
