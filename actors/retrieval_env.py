@@ -40,6 +40,13 @@ def linked_option(hit: dict, options: dict[str, str] | None) -> str | None:
     return letters.get(name_key(hit.get("title", "")))
 
 
+def first_linked(hits: list[dict], options: dict[str, str] | None) -> tuple[int, str] | None:
+    """(rank among the search's own hits, letter) of the first hit that links an option (`linked_option`), or None;
+    the options' ranking (hits marked `candidate`) is not among them."""
+    found = (h for h in hits if not h.get("candidate"))
+    return next(((rank, letter) for rank, h in enumerate(found) if (letter := linked_option(h, options))), None)
+
+
 def hit_header(rank: int, hit: dict, options: dict[str, str] | None = None) -> str:
     """'[rank+1] title', plus '(option X)' when the title is option X's text (`linked_option`)."""
     letter = linked_option(hit, options)

@@ -27,11 +27,10 @@ def first_links(tasks: list[dict], hits: list[list[dict]], page: int) -> dict[st
     """Counts by where the first linked option lies: `page<n>_gold`, `page<n>_wrong`, or `none`; and of the
     questions page 1 links none, where the options' ranking (the hits marked `candidate`) puts the gold first
     (`ranked_gold`), another option (`ranked_wrong`), or ranks none (`unranked`)."""
-    from actors.retrieval_env import linked_option
+    from actors.retrieval_env import first_linked, linked_option
     counts: dict[str, int] = {}
     for task, found in zip(tasks, hits):
-        first = next(((rank, letter) for rank, h in enumerate(h for h in found if not h.get("candidate"))
-                      if (letter := linked_option(h, task["options"]))), None)
+        first = first_linked(found, task["options"])
         keys = ["none" if first is None else
                 f"page{first[0] // page + 1}_{'gold' if first[1] == task['answer'] else 'wrong'}"]
         if first is None or first[0] >= page:

@@ -217,3 +217,37 @@ def test_the_expert_answers_from_the_options_ranking_when_no_hit_links_the_gold(
         assert "(option" not in observed["text"]
         assert f"the search ranks the options {task['answer']}" in observed["text"]
         assert answer["text"].endswith(f"<answer>{task['answer']}</answer>")
+
+
+def test_an_unlinked_mix_holds_every_question_whose_first_page_links_no_option_at_the_share_asked():
+    import pytest
+    from learners.unlinked_mix import unlinked_mix
+
+    tasks = [{"id": i} for i in range(10)]
+    linked = [i not in (2, 7) for i in range(10)]  # 2 unlinked, 8 linked
+    mix = unlinked_mix(tasks, linked, share=0.5)
+    assert len(mix) == 4 and {2, 7} <= {t["id"] for t in mix}
+    assert len(unlinked_mix(tasks, linked, share=0.25)) == 8
+    assert len(unlinked_mix(tasks, linked, share=0.1)) == 10  # fewer linked exist than the share asks: all of them
+    assert unlinked_mix(tasks, linked, 0.5, seed=1) == unlinked_mix(tasks, linked, 0.5, seed=1)
+    with pytest.raises(ValueError, match="--share 0"):
+        unlinked_mix(tasks, linked, share=0)
+
+
+def test_first_page_links_are_the_option_marks_the_environment_shows(tiny_model_path):
+    from actors.retrieval_env import retrieval_text
+    from actors.retriever import LocalRetriever
+    from learners.data import load_tasks
+    from learners.expert import expert_query
+    from learners.unlinked_mix import first_page_links
+    from learners.services import ensure_run_index
+
+    cfg = load_config("configs/tiny.yaml")
+    tasks = load_tasks("hpo:mcq_train")[:60]
+    linked = first_page_links(cfg, tasks)
+    assert 0 < sum(linked) < len(tasks)  # the tiny index links some questions' options and not others'
+    retriever = LocalRetriever(ensure_run_index(cfg), config=cfg.retrieval.search)
+    for task, link in zip(tasks, linked):
+        page = retriever.search([expert_query(task)], cfg.retrieval.search.top_k)[0]  # no options' ranking
+        shown = retrieval_text(page, None, show="titles", options=task["options"])
+        assert link == ("(option " in shown), task["id"]

@@ -116,8 +116,8 @@ def register_tiny_vision(monkeypatch, tmp_path, base_dir, recipe=TINY):
     monkeypatch.setitem(model_aliases.ALIASES, "tiny-vision",
                         model_aliases.VisionAlias(base="smollm2-135m-instruct", recipe=recipe, licence="test",
                                                   description="test"))
-    monkeypatch.setattr(model_aliases, "alias_dir", lambda alias: base_dir if alias == "smollm2-135m-instruct" else
-                        tmp_path / "models" / alias)
+    monkeypatch.setattr(model_aliases, "alias_dir", lambda alias, recipe_fields=None:
+                        base_dir if alias == "smollm2-135m-instruct" else tmp_path / "models" / alias)
 
 
 def test_a_zoom_in_crop_holds_its_lesion_and_its_tokens_follow_it():
