@@ -115,10 +115,10 @@ def alias_spec(alias: str, recipe_fields: dict | None = None):
         return spec
     if not isinstance(spec, VisionAlias):
         raise ValueError(f"{alias} is converted from a wheel and has no recipe to change ({sorted(recipe_fields)})")
-    unknown = sorted(set(recipe_fields) - {f.name for f in fields(vision_model.VisionRecipe)})
+    names = [f.name for f in fields(vision_model.VisionRecipe)]
+    unknown = sorted(set(recipe_fields) - set(names))
     if unknown:
-        raise ValueError(f"{alias}: no recipe field {unknown}; VisionRecipe has "
-                         f"{[f.name for f in fields(vision_model.VisionRecipe)]}")
+        raise ValueError(f"{alias}: no recipe field {unknown}; VisionRecipe has {names}")
     return replace(spec, recipe=replace(spec.recipe, **recipe_fields))
 
 
@@ -180,7 +180,7 @@ def convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def recipe_fields(pairs: list[str]) -> dict:
+def parse_recipe_fields(pairs: list[str]) -> dict:
     """`field=value` pairs as a dict, each value read as the type of VisionRecipe's default for the field."""
     bad = [p for p in pairs if "=" not in p]
     if bad:
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                              "built into its own directory (model.path takes the printed one)")
     args = parser.parse_args(argv)
     try:
-        print(ensure_alias_model(args.alias, recipe_fields(args.recipe)))
+        print(ensure_alias_model(args.alias, parse_recipe_fields(args.recipe)))
     except (ModelSourceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -100,7 +100,7 @@ def test_a_recipe_names_a_patch_embedding_medray_builds_and_the_shipped_alias_ke
 def test_build_model_takes_recipe_fields_as_a_variant_built_apart_and_refuses_fields_no_recipe_has(capsys):
     shipped = model_aliases.alias_dir("smollm2-135m-vision")
     variant = model_aliases.alias_dir("smollm2-135m-vision",
-                                      model_aliases.recipe_fields(["patch_embedding=conv", "pretrain_lr=6e-4"]))
+                                      model_aliases.parse_recipe_fields(["patch_embedding=conv", "pretrain_lr=6e-4"]))
     assert variant != shipped and variant.name.startswith("smollm2-135m-vision-")
     assert model_aliases.alias_spec("smollm2-135m-vision", {"pretrain_steps": 10}).recipe.pretrain_steps == 10
     for argv, message in [(["smollm2-135m-vision", "pretrain_steps=many"], "pretrain_steps: 'many' is not a int"),
